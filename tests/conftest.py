@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny random Llama (built once per session), runners and an in-thread server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from eaglenest.models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_model_dir):
+    """fp32 runner: batched and single forwards agree to float rounding."""
+    from eaglenest.engines.runtime import TargetRunner
+
+    return TargetRunner(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture
+def capture_server(tiny_runner, tmp_path):
+    """An embedded server with capture into tmp_path/'capture', on a background thread."""
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.serving import BackgroundServer
+
+    engine = EmbeddedEngine(tiny_runner, capture_dir=tmp_path / "capture")
+    with BackgroundServer(engine) as url:
+        yield url, engine
+    engine.close()
