@@ -35,3 +35,12 @@ def capture_server(tiny_runner, tmp_path):
     with BackgroundServer(engine) as url:
         yield url, engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One temporary Prefect API server (SQLite) for the whole test session (~10 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
