@@ -93,6 +93,8 @@ def check_user_args(args: Sequence[str]) -> list[str]:
                             "in one server")
         elif flag == "--enable-pdmux":
             problems.append("--enable-pdmux splits prefill across forwards; not supported for capture")
+        elif flag == "--tokenizer-worker-num" and (_int(value) or 1) > 1:
+            problems.append(f"{flag} {value}: capture needs the tokenizer manager in the HTTP process; drop it")
         elif flag == "--speculative-algorithm" and (value or "").upper() not in ALLOWED_SPECULATIVE:
             problems.append(f"--speculative-algorithm {value}: capture supports plain serving or EAGLE3 only")
     return problems

@@ -307,8 +307,10 @@ def wrap_logits_processor(lp: Any, runtime: CaptureRuntime) -> None:
 def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     global _runtime
     config = CaptureConfig.from_env()
-    if config is not None and not getattr(runner, "is_draft_worker", False):
-        _runtime = setup_runtime(runner, config)
+    if config is None or getattr(runner, "is_draft_worker", False) or getattr(runner, "_eaglenest_capture", False):
+        return  # draft runners never capture; a re-initialized backend keeps its runtime (no double wrap)
+    _runtime = setup_runtime(runner, config)
+    runner._eaglenest_capture = True
 
 
 def _after_init_new(result: Any, *args: Any, **kwargs: Any) -> None:
