@@ -47,6 +47,10 @@ def save(out: Path) -> None:
     (out / "report.json").write_text(json.dumps(REPORT, indent=1, default=str))
 
 
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def prompts(n: int, length: int | list[int], vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = length if isinstance(length, list) else [length] * n
@@ -64,7 +68,8 @@ class Server:
         else:
             cmd, env = build_command(model_dir=args.model, capture_dir=capture_dir, port=port,
                                      aux_layer_ids=args.aux, sglang_args=self.sglang_args(name))
-        self.env = {**env, **(extra_env or {})}
+        # a capture that never lands must fail the answer fast here (504), not after the 300 s default
+        self.env = {**env, **({"EAGLENEST_RECEIPT_TIMEOUT_S": "60"} if capture_dir else {}), **(extra_env or {})}
         self.capture = capture_dir
         self.proc = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", env=self.env,
                                   log_path=Path("/tmp/gpu_check") / f"{name}.log")
@@ -91,6 +96,7 @@ class Server:
             self.__exit__()
             raise
         REPORT["phases"][self.name]["startup_s"] = round(time.time() - t0, 1)
+        say(f"{self.name}: ready after {time.time() - t0:.0f} s")
         return self
 
     def __exit__(self, *exc):
@@ -99,7 +105,7 @@ class Server:
         tail = log_tail(self.proc.log_path, 150)
         (OUT / f"{self.name}.log.tail").write_text(tail)
 
-    def generate(self, ids, rids, max_new=0, timeout=600):
+    def generate(self, ids, rids, max_new=0, timeout=150):
         body = {"input_ids": ids, "rid": rids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
         r = httpx.post(f"{self.proc.url}/generate", json=body, timeout=timeout)
         return r.status_code, r.json()
@@ -174,8 +180,11 @@ def phase_capture(args, checks, bench_data):
         rep["model_info_capture"] = httpx.get(f"{s.proc.url}/get_model_info", timeout=30).json().get("capture")
         rids = [f"chk-{i}" for i in range(len(checks))] + ["nocapture:chk"]
         rep["mixed_batch"] = check_batch(s, [*checks, checks[2]], rids)
+        say(f"capture: mixed batch {rep['mixed_batch']}")
         rep["generate"] = check_batch(s, [checks[3]], ["gen-0"], max_new=8)
+        say(f"capture: generate {rep['generate']}")
         rep["bench"] = run_bench(s, bench_data, ["cap-a", "nocapture:cap-b", "cap-c"])
+        say(f"capture: bench {rep['bench']}")
     rep["ok"] = rep["mixed_batch"].get("ok") and rep["generate"].get("ok")
 
 

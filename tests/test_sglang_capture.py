@@ -8,6 +8,7 @@ writer, receipts, HTTP hold) runs as in a scheduler, minus the GPU.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -214,13 +215,22 @@ def fake_req(rid, prompt, **kw):
                            to_finish=kw.get("to_finish"), input_embeds=None, multimodal_inputs=None)
 
 
+@dataclasses.dataclass
+class FakeForwardBatch:
+    forward_mode: str
+    extend_prefix_lens_cpu: list
+    extend_seq_lens_cpu: list
+    rids: list
+
+
 def forward(runtime, lp, runner, reqs, prefix, extend, parts, mode=EXTEND):
-    """One scheduler step: ForwardBatch.init_new (hooked) then the model's logits processor call."""
+    """One scheduler step: ForwardBatch.init_new (hooked) then the model's logits processor call, which
+    gets a dataclasses.replace copy of the ForwardBatch, as sglang's eager runner hands it over."""
     batch = SimpleNamespace(reqs=reqs, prefix_lens=prefix, extend_lens=extend)
-    fb = SimpleNamespace(forward_mode=mode, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=extend)
+    fb = FakeForwardBatch(mode, prefix, extend, [r.rid for r in reqs])
     plugin._after_init_new(fb, "cls", batch, runner)
     final, aux = flatten(parts)
-    return lp(torch.zeros(final.shape[0]), final, "lm_head", fb, aux)
+    return lp(torch.zeros(final.shape[0]), final, "lm_head", dataclasses.replace(fb), aux)
 
 
 @pytest.fixture
@@ -265,7 +275,7 @@ def test_plugin_glue_captures_prefill_chunks_and_skips_the_rest(glue, tmp_path):
 def test_plugin_glue_accepts_packed_aux_states(glue, tmp_path):
     _runtime, lp, runner, writer = glue
     batch = SimpleNamespace(reqs=[fake_req("packed", 4)], prefix_lens=[0], extend_lens=[4])
-    fb = SimpleNamespace(forward_mode=EXTEND, extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[4])
+    fb = FakeForwardBatch(EXTEND, [0], [4], ["packed"])
     plugin._after_init_new(fb, "cls", batch, runner)
     final, aux = flatten([(3, range(4))])
     lp(None, final, "lm_head", fb, aux_hidden_states=torch.cat(aux, -1))  # [N, k*H], as some models return
@@ -285,12 +295,27 @@ def test_plugin_glue_fails_a_request_whose_prefix_came_from_a_cache(glue, tmp_pa
 def test_plugin_glue_fails_the_batch_when_rows_do_not_add_up(glue, tmp_path):
     _runtime, lp, runner, writer = glue
     batch = SimpleNamespace(reqs=[fake_req("p", 3)], prefix_lens=[0], extend_lens=[3])
-    fb = SimpleNamespace(forward_mode=EXTEND, extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[3])
+    fb = FakeForwardBatch(EXTEND, [0], [3], ["p"])
     plugin._after_init_new(fb, "cls", batch, runner)
     final, aux = flatten([(0, range(4))])  # one padded row
     lp(None, final, "lm_head", fb, aux)
     writer.close()
     assert read_receipt(tmp_path, "p")["status"] == 500
+
+
+def test_plugin_glue_fails_loudly_when_a_forward_does_not_match_its_batch(glue, tmp_path):
+    _runtime, lp, runner, writer = glue
+    batch = SimpleNamespace(reqs=[fake_req("s", 3)], prefix_lens=[0], extend_lens=[3])
+    plugin._after_init_new(FakeForwardBatch(EXTEND, [0], [3], ["s"]), "cls", batch, runner)
+    forward(_runtime, lp, runner, [fake_req("t", 2)], [0], [2], [(1, range(2))])  # s never reached the logits
+    plugin._after_init_new(FakeForwardBatch(EXTEND, [0], [2], ["u"]), "cls",
+                           SimpleNamespace(reqs=[fake_req("u", 2)], prefix_lens=[0], extend_lens=[2]), runner)
+    final, aux = flatten([(2, range(2))])
+    lp(None, final, "lm_head", FakeForwardBatch(EXTEND, [0], [2], ["other"]), aux)
+    writer.close()
+    assert "never reached the logits processor" in read_receipt(tmp_path, "s")["message"]
+    assert "differ from the scheduled batch" in read_receipt(tmp_path, "u")["message"]
+    check_shard(tmp_path / "capture" / "t.safetensors", 1, 2)
 
 
 def run_hold(outs, tmp_path, rid="r", receipt=None):

@@ -126,3 +126,16 @@ def test_capture_ready_needs_the_capture_block(capture_server, tiny_runner):
         with pytest.raises(LaunchError, match="capture plugin is not active"):
             sl.capture_ready(plain_url)
     plain.close()
+
+
+def test_serve_refuses_before_starting_anything_without_a_supported_sglang(model_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    started = []
+    monkeypatch.setattr(sl.ServerProcess, "start", lambda self: started.append(self))
+    with pytest.raises(sl.SGLangCompatError, match="sglang is not installed"):
+        sl.serve_foreground(model_dir=model_dir, capture_dir=tmp_path / "cap", host="127.0.0.1", port=30000,
+                            aux_layer_ids=None, sglang_args=[])
+    assert started == []

@@ -70,7 +70,7 @@ class CaptureConfig:
     max_inflight: int = 4
     """Prefill batches whose device-to-host copy may be in flight before the scheduler waits."""
     writer_threads: int = 4
-    receipt_timeout_s: float = 600.0
+    receipt_timeout_s: float = 300.0
     """How long an answer waits for its shard to become durable before failing (504)."""
 
     @classmethod
@@ -90,7 +90,7 @@ class CaptureConfig:
                 aux_layer_ids=aux,
                 max_inflight=max(1, int(env.get(ENV_MAX_INFLIGHT, "4"))),
                 writer_threads=max(1, int(env.get(ENV_WRITER_THREADS, "4"))),
-                receipt_timeout_s=float(env.get(ENV_RECEIPT_TIMEOUT, "600")),
+                receipt_timeout_s=float(env.get(ENV_RECEIPT_TIMEOUT, "300")),
             )
         except ValueError as e:
             raise CaptureError(f"bad eaglenest capture setting in the environment: {e}") from None

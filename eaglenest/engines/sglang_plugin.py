@@ -11,8 +11,10 @@ Scheduler process (every TP rank), hooks registered with sglang's HookRegistry:
   verified via ``layers_to_capture == ids + 1``; with EAGLE3 the draft's ids must equal ours), and on
   attention-TP rank 0 only wrap the target's ``logits_processor.forward`` (the one place that sees
   both the final-norm states and the aux states, before any pruning).
-- AFTER ``ForwardBatch.init_new``: for EXTEND forwards of the target, attach per-request views
-  (rid, prefix, extend and prompt lengths, prompt ids) read from the ScheduleBatch.
+- AFTER ``ForwardBatch.init_new``: for EXTEND forwards of the target, remember per-request views
+  (rid, prefix, extend and prompt lengths, prompt ids) read from the ScheduleBatch; the scheduler
+  thread runs that forward next (the model sees a ``dataclasses.replace`` copy of the ForwardBatch,
+  so nothing is attached to it; rids are compared instead).
 - In the wrapped logits processor: split rows per request, copy only captured rows to pinned host
   buffers on a side stream (bounded slots: the scheduler waits only when ``max_inflight`` batches
   are still copying/encoding), hand them to :class:`CaptureWriter` (coalescing, shards, receipts).
@@ -61,7 +63,6 @@ T_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new
 T_INIT_REQ = "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state"
 T_WAIT_ONE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._wait_one_response"
 T_MODEL_INFO = "sglang.srt.entrypoints.http_server.model_info"
-_VIEWS = "_eaglenest_views"
 
 
 class CaptureRefused(RuntimeError):
@@ -163,6 +164,7 @@ class CaptureRuntime:
                  runner: Any = None) -> None:
         self.writer, self.copier, self.num_aux = writer, copier, num_aux
         self.extend_mode, self.runner = extend_mode, runner
+        self._pending: list[ReqView] | None = None  # the scheduler thread's next target EXTEND forward
 
     def describe(self, forward_batch: Any, batch: Any) -> list[ReqView]:
         prefix = forward_batch.extend_prefix_lens_cpu or batch.prefix_lens
@@ -182,21 +184,33 @@ class CaptureRuntime:
                                  prompt if capture else None, reason))
         return views
 
+    def _fail(self, views: list[ReqView], message: str) -> None:
+        for v in views:
+            if v.capture:
+                self.writer.fail(v.rid, f"capture of {v.rid!r} failed: {message}", status=500, kind="capture_error")
+
     def on_init_new(self, forward_batch: Any, batch: Any, runner: Any) -> None:
+        """Remember the views of the target's next EXTEND forward. They are kept here, not on the
+        ForwardBatch: runners hand the model a ``dataclasses.replace`` copy (eager static buffers)."""
         if runner is not self.runner or forward_batch.forward_mode != self.extend_mode or batch is None:
             return
         views = self.describe(forward_batch, batch)
         for v in views:
             if v.skip_reason and v.prefix_len == 0:
                 self.writer.fail(v.rid, f"{v.rid!r}: {v.skip_reason}", kind="not_capturable")
-        if any(v.capture for v in views):
-            setattr(forward_batch, _VIEWS, views)
+        stale, self._pending = self._pending, (views if any(v.capture for v in views) else None)
+        if stale:
+            self._fail(stale, "its prefill forward never reached the logits processor")
 
     def on_logits(self, forward_batch: Any, hidden_states: torch.Tensor, aux: Any) -> None:
-        views = getattr(forward_batch, _VIEWS, None)
-        if not views:
+        views = self._pending
+        if views is None or getattr(forward_batch, "forward_mode", None) != self.extend_mode:
             return
-        setattr(forward_batch, _VIEWS, None)
+        self._pending = None
+        rids = getattr(forward_batch, "rids", None)
+        if rids is not None and [str(r) for r in rids] != [v.rid for v in views]:
+            self._fail(views, "the forward's requests differ from the scheduled batch")
+            return
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             raise CaptureRefused("eaglenest capture: a prefill forward is being recorded into a CUDA graph; launch "
                                  "with --cuda-graph-backend-prefill disabled")
