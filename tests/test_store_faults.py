@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -12,12 +13,11 @@ import time
 import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 from safetensors.torch import save_file
 
 from eaglenest.contract import ContractError, UnknownSchemaVersion
-from eaglenest.ledger import Ledger
+from eaglenest.ledger import Ledger, LedgerEntry
 from eaglenest.store import StoreCorrupt, StoreDiskFull, StoreNotFound, convert, list_versions, open_store
 from eaglenest.store import layout as L
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction
@@ -195,8 +195,6 @@ def test_mixed_schema_versions_and_provenance_are_refused(tmp_path):  # row 22
     path = Ledger(tmp_path / "ex").capture_dir / "v2.safetensors"
     save_file({"input_ids": shard.input_ids, "aux_hidden": shard.aux_hidden,
                "final_hidden": shard.final_hidden}, str(path), metadata=meta)
-    from eaglenest.ledger import LedgerEntry
-    import hashlib
     Ledger(tmp_path / "ex").append([LedgerEntry(sample_id="v2", shard=path.name, bytes=path.stat().st_size,
                                                 sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                                                 num_tokens=10, loss_tokens=0)])
@@ -249,4 +247,3 @@ def test_two_converters_at_once_leave_intact_versions(tmp_path, same_input):  # 
     for v in versions:
         assert open_store(url, version=v, verify=True).verify() == []
     assert not [n for n in store_files(tmp_path / "store") if n.endswith(".tmp")]
-    fsspec.filesystem("file")  # (local fs only: memory:// is per process)

@@ -128,8 +128,9 @@ class Store:
         self._paths = [L.join(root, f["path"]) for f in manifest["files"]]
         index_path = L.join(root, manifest["index"]["path"])
         data = _read(fs, index_path)
-        if len(data) != manifest["index"]["bytes"] or hashlib.sha256(data).hexdigest() != manifest["index"]["sha256"]:
-            raise L.StoreCorrupt(f"{index_path}: size or sha256 differs from the manifest; re-run convert to rewrite it")
+        expect = manifest["index"]
+        if len(data) != expect["bytes"] or hashlib.sha256(data).hexdigest() != expect["sha256"]:
+            raise L.StoreCorrupt(f"{index_path}: size or sha256 differs from the manifest; re-run convert")
         idx = L.decode_index(data, index_path)
         self.sample_ids: list[str] = idx["sample_id"]
         self.shard_sha256: list[str] = idx["shard_sha256"]
@@ -179,7 +180,8 @@ class Store:
         try:
             return self[self._by_id[sample_id]]
         except KeyError:
-            raise KeyError(f"sample {sample_id!r} is not in store {self.url} (version {self.manifest['version']})") from None
+            version = self.manifest["version"]
+            raise KeyError(f"sample {sample_id!r} is not in store {self.url} (version {version})") from None
 
     def __getitem__(self, i: int) -> StoreSample:
         i = operator.index(i)
@@ -242,7 +244,9 @@ class Store:
         try:
             schema = pa.ipc.open_file(buf).schema
         except (pa.ArrowException, OSError) as e:
-            raise L.StoreCorrupt(f"{path}: not a readable Arrow IPC file ({e}); re-run `eaglenest store convert --rehash`") from None
+            raise L.StoreCorrupt(
+                f"{path}: not a readable Arrow IPC file ({e}); re-run `eaglenest store convert --rehash`"
+            ) from None
         if not schema.equals(self._schema, check_metadata=True):
             raise L.StoreCorrupt(f"{path}: schema differs from the store's (k*H, H or provenance); re-convert")
         self._maps[f] = (mm, base, buf)
