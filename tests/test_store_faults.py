@@ -207,6 +207,10 @@ def test_mixed_schema_versions_and_provenance_are_refused(tmp_path):  # row 22
     with pytest.raises(ContractError, match="engine"):
         convert(tmp_path / "ex2", str(tmp_path / "store2"))
 
+    make_extraction(tmp_path / "ex4", [10])  # model_path is machine-local: another host's path is fine
+    add_samples(tmp_path / "ex4", [fake_shard("elsewhere", 10, fake_provenance(model_path="/other/host/model"))])
+    assert convert(tmp_path / "ex4", str(tmp_path / "store4")).samples == 2
+
     make_extraction(tmp_path / "ex3", [10])
     convert(tmp_path / "ex3", str(tmp_path / "store3"))
     (m,) = list((tmp_path / "store3" / L.VERSIONS_DIR).glob(f"*/{L.MANIFEST_NAME}"))

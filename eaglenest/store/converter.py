@@ -3,8 +3,10 @@
 Owns planning, writing and committing store versions. Invariants:
 
 - Only ledger entries are converted; every shard is re-hashed against the ledger's sha256 and decoded
-  with :mod:`eaglenest.contract` (schema version, shapes, provenance). Mixed provenance or schema
-  versions are refused before anything is written.
+  with :mod:`eaglenest.contract` (schema version, shapes, provenance). Equal sha256 means the very bytes
+  that validation passed (finite values included), so values are not re-scanned. Mixed provenance
+  (``model_path`` aside: it is machine-local; the store records the first shard's) or schema versions
+  are refused before anything is written.
 - Samples are packed, in ledger order, into data files of about ``target_file_bytes``. A data file is
   named by a key over its content's identity (layout, provenance, and each sample's id, shard sha256 and
   loss spans), so the same inputs always produce the same file: a re-run reuses it after checking its
@@ -120,7 +122,7 @@ def check_inputs(capture_dir: Path, entries: Sequence[LedgerEntry]) -> Provenanc
         if first is None:
             first = (path, prov)
         else:
-            diff = first[1].mismatches(prov, ignore=())
+            diff = first[1].mismatches(prov)  # model_path is machine-local: servers on other hosts differ
             if diff:
                 raise ContractError(
                     f"{path}: provenance differs from {first[0]} in {diff}; one store holds one provenance: "
@@ -147,8 +149,7 @@ def _load(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) -> Shar
             f"{path}: holds sample {shard.sample_id!r} with {shard.num_tokens} tokens, ledger says "
             f"{entry.sample_id!r} with {entry.num_tokens}"
         )
-    if provenance.mismatches(shard.provenance, ignore=()):
-        provenance.require_match(shard.provenance, what=f"shard {path}")
+    provenance.require_match(shard.provenance, what=f"shard {path}")
     return shard
 
 
@@ -186,6 +187,8 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator
             rows.append(dict(sample_id=entry.sample_id, offset=pos, length=sink.size - pos,
                              num_tokens=entry.num_tokens, loss_tokens=int(mask.sum()), shard_sha256=entry.sha256))
             pos = sink.size
+            if L.is_local(fs):
+                sink.start_writeback()
         writer.close()
     record = {"key": pf.key, "bytes": sink.size, "sha256": sink.sha.hexdigest(), "rows": rows}
     L.write_bytes(fs, path + L.SIDECAR_SUFFIX, json.dumps(record).encode())
