@@ -124,12 +124,13 @@ def test_growing_ledger_reuses_files_and_append_adds_samples(tmp_path):
     assert grown.samples == 12 and grown.files_reused >= first.files_total - 1 and grown.files_written >= 1
     assert_matches_shards(open_store(url), tmp_path / "ex")
 
-    add_samples(tmp_path / "more", [fake_shard(f"more{i}", 10, prov, seed=90 + i) for i in range(3)], seed=4)
+    elsewhere = fake_provenance(model_path="/another/host/model")  # same model loaded from another path
+    add_samples(tmp_path / "more", [fake_shard(f"more{i}", 10, elsewhere, seed=90 + i) for i in range(3)], seed=4)
     appended = convert(tmp_path / "more", url, target_file_bytes=10_000, append=True)
     store = open_store(url)
     assert appended.samples == 15 and appended.files_reused == grown.files_total and appended.files_written == 1
     assert store.manifest["parent"] == grown.version and store.verify() == []
-    assert store.sample_ids[-3:] == ["more0", "more1", "more2"]
+    assert store.sample_ids[-3:] == ["more0", "more1", "more2"] and store[-1].num_tokens == 10
     assert convert(tmp_path / "more", url, append=True).files_written == 0  # nothing new to add
 
 

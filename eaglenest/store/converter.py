@@ -288,6 +288,8 @@ def convert(
             base = None
         if base is not None:
             base.provenance.require_match(prov, what=f"store {url} (latest version) vs extraction {extraction_dir}")
+            prov = base.provenance  # every file of a version carries the same provenance (model_path included)
+            schema = L.data_schema(prov)
             parent = base.manifest["version"]
             base_records = base.file_records()
             known = dict(zip(base.sample_ids, base.shard_sha256, strict=True))
@@ -319,10 +321,11 @@ def convert(
     bytes_in = bytes_written = 0
     if todo:
         stream = _prefetch(ledger.capture_dir, [e for pf in todo for e in pf.entries], prov)
+        slot = {pf.key: j for j, pf in enumerate(planned)}
         try:
             for pf in todo:
                 rec = _write_file(fs, root, pf, schema, stream)
-                records[planned.index(pf)] = rec
+                records[slot[pf.key]] = rec
                 bytes_in += sum(e.bytes for e in pf.entries)
                 bytes_written += rec["bytes"]
                 done += len(pf.entries)
@@ -393,5 +396,5 @@ def _read_json(fs, path: str) -> dict | None:
     try:
         with fs.open(path, "rb") as f:
             return json.loads(f.read())
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None  # absent or garbled: this run writes it (again)
