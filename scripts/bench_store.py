@@ -7,8 +7,9 @@ about --gb GB in --workdir, then prints:
 - P3 = convert MB/s / cp MB/s over the same shard bytes on the same disk. `cp --reflink=never` followed
   by `sync` of the copies vs `eaglenest.store.convert` (which re-hashes every shard, decodes it, writes
   and fsyncs Arrow files and hashes them for the manifest). Input in page cache for both; best of repeats.
-- P4 = random-order / file-order sample read MB/s, each sample fully consumed (copied into a reused
-  buffer), cold (store pages evicted with posix_fadvise(DONTNEED) before each pass, read through a freshly
+- P4 = random-order / file-order sample read MB/s, read in batches of 8 through StoreDataset (as a
+  DataLoader with a batch sampler does: the batch is prefetched, then read), every byte consumed (copied
+  into a reused buffer), cold (store pages evicted with posix_fadvise(DONTNEED) before each pass, read through a freshly
   opened Store) and warm; best of --repeats passes each.
 - zero copies: the same sample read twice has the same data pointer, inside the file's memory map;
   anonymous RSS (RssAnon) barely moves while every byte of the store is read.
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.ledger import Ledger
-from eaglenest.store import convert, open_store
+from eaglenest.store import StoreDataset, convert, open_store
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard
 
 
@@ -78,13 +79,19 @@ def time_cp(src: Path, dst: Path) -> float:
     return time.perf_counter() - t0
 
 
+BATCH = 8
+
+
 def read_pass(store, order, out: torch.Tensor) -> float:
+    """Read samples in ``order`` the way a DataLoader with a batch sampler does (StoreDataset.__getitems__,
+    BATCH samples at a time) and consume every byte."""
+    ds = StoreDataset(store)
     t0 = time.perf_counter()
-    for i in order:
-        s = store[i]
-        for t in (s.input_ids, s.aux_hidden, s.final_hidden):
-            flat = t.reshape(-1).view(torch.uint8)
-            out[: flat.numel()].copy_(flat)
+    for k in range(0, len(order), BATCH):
+        for s in ds.__getitems__(order[k : k + BATCH]):
+            for t in (s.input_ids, s.aux_hidden, s.final_hidden):
+                flat = t.reshape(-1).view(torch.uint8)
+                out[: flat.numel()].copy_(flat)
     return time.perf_counter() - t0
 
 

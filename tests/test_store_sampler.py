@@ -107,6 +107,7 @@ def test_split_is_stable_by_id_and_dataset_reads_the_store(tmp_path):
     store = open_store(str(tmp_path / "store"))
     ds = StoreDataset(store, [4, 1, 2])
     assert len(ds) == 3 and ds[1].sample_id == store.sample_ids[1] and ds.lengths.tolist() == [12, 50, 7]
+    assert [s.sample_id for s in ds.__getitems__([2, 0])] == [store.sample_ids[2], store.sample_ids[4]]
     sampler = LengthBucketSampler(ds.lengths, max_tokens=64, seed=0)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=list)
     seen = sorted(s.sample_id for batch in loader for s in batch)

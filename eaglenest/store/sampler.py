@@ -40,6 +40,12 @@ class StoreDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> StoreSample:
         return self.store[int(self.indices[i])]
 
+    def __getitems__(self, items: Sequence[int]) -> list[StoreSample]:
+        """A whole batch (DataLoader calls this with a batch sampler): prefetch all, then read each."""
+        real = [int(self.indices[i]) for i in items]
+        self.store.prefetch(real)
+        return [self.store[i] for i in real]
+
     @property
     def lengths(self) -> np.ndarray:
         """Token count per dataset item (feed it to :class:`LengthBucketSampler`)."""
