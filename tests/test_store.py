@@ -146,3 +146,25 @@ def test_store_pickles_for_dataloader_workers(tmp_path):
     _ = store[0]
     clone = pickle.loads(pickle.dumps(store))
     assert torch.equal(bits(clone[1].aux_hidden), bits(store[1].aux_hidden))
+
+
+def test_mapped_decoder_agrees_with_the_contract(tmp_path):
+    import mmap
+
+    from eaglenest.contract import ContractError, decode_shard
+    from eaglenest.store.shards import decode_mapped
+
+    (entry,) = make_extraction(tmp_path / "ex", [13])
+    path = Ledger(tmp_path / "ex").capture_dir / entry.shard
+    with open(path, "rb") as f:
+        mapped = decode_mapped(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), str(path))
+    ref = decode_shard(path.read_bytes())
+    assert mapped.sample_id == ref.sample_id and mapped.provenance == ref.provenance and mapped.extra == ref.extra
+    for name in ("input_ids", "aux_hidden", "final_hidden"):
+        assert torch.equal(bits(getattr(mapped, name)), bits(getattr(ref, name)))
+    junk = bytearray(path.read_bytes())
+    junk[8:20] = b"not a header"
+    with pytest.raises(ContractError, match="garbage header"):
+        decode_mapped(junk, "junk")
+    with pytest.raises(ContractError, match="truncated"):
+        decode_mapped(bytearray(path.read_bytes()[:100]), "cut")

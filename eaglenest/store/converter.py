@@ -2,11 +2,9 @@
 
 Owns planning, writing and committing store versions. Invariants:
 
-- Only ledger entries are converted; every shard is re-hashed against the ledger's sha256 and decoded
-  with :mod:`eaglenest.contract` (schema version, shapes, provenance). Equal sha256 means the very bytes
-  that validation passed (finite values included), so values are not re-scanned. Mixed provenance
-  (``model_path`` aside: it is machine-local; the store records the first shard's) or schema versions
-  are refused before anything is written.
+- Only ledger entries are converted, each shard checked against the ledger's sha256 and the capture
+  contract (see :mod:`eaglenest.store.shards`); mixed provenance or schema versions are refused before
+  anything is written. The store records the first shard's provenance.
 - Samples are packed, in ledger order, into data files of about ``target_file_bytes``. A data file is
   named by a key over its content's identity (layout, provenance, and each sample's id, shard sha256 and
   loss spans), so the same inputs always produce the same file: a re-run reuses it after checking its
@@ -25,9 +23,7 @@ import hashlib
 import json
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,15 +31,14 @@ from pathlib import Path
 import fsspec
 import pyarrow as pa
 import torch
-from safetensors import safe_open
 
-from eaglenest.contract import SCHEMA_VERSION, ContractError, Provenance, Shard, UnknownSchemaVersion, decode_shard
+from eaglenest.contract import Provenance, Shard
 from eaglenest.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
 from eaglenest.store.reader import open_store
+from eaglenest.store.shards import check_inputs, prefetch_shards
 
 DEFAULT_TARGET_FILE_BYTES = 256 << 20
-PREFETCH_BYTES = 256 << 20
 ProgressFn = Callable[[int, int], None]
 
 
@@ -97,79 +92,6 @@ def plan_files(entries: Sequence[LedgerEntry], provenance: Provenance, target_fi
     if cur:
         out.append(_Planned(file_key(provenance, cur), tuple(cur)))
     return out
-
-
-def check_inputs(capture_dir: Path, entries: Sequence[LedgerEntry]) -> Provenance:
-    """Header pass over every shard: present, known schema version, one provenance. Reads no tensors."""
-    first: tuple[Path, Provenance] | None = None
-    for e in entries:
-        path = capture_dir / e.shard
-        if not path.is_file():
-            raise L.ConvertInputError(
-                f"ledger lists sample {e.sample_id!r} but its shard {path} is missing; re-run the extraction"
-            )
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-        except Exception as exc:  # safetensors raises its own error types
-            raise L.ConvertInputError(f"{path}: unreadable shard header ({exc}); re-run the extraction") from None
-        if meta.get("schema_version") != str(SCHEMA_VERSION):
-            raise UnknownSchemaVersion(
-                f"{path}: shard schema_version {meta.get('schema_version')!r}, this eaglenest converts "
-                f"{SCHEMA_VERSION}; mixed schema versions cannot share a store: re-extract with one version"
-            )
-        prov = Provenance.from_json(meta.get("provenance", "{}"))
-        if first is None:
-            first = (path, prov)
-        else:
-            diff = first[1].mismatches(prov)  # model_path is machine-local: servers on other hosts differ
-            if diff:
-                raise ContractError(
-                    f"{path}: provenance differs from {first[0]} in {diff}; one store holds one provenance: "
-                    "convert each capture setup into its own store"
-                )
-    assert first is not None
-    return first[1]
-
-
-def _load(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) -> Shard:
-    path = capture_dir / entry.shard
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise L.ConvertInputError(f"shard {path} of sample {entry.sample_id!r} vanished during conversion") from None
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise L.ConvertInputError(
-            f"{path}: sha256 differs from the ledger entry of {entry.sample_id!r} (changed after validation); "
-            "re-validate it (re-run the extraction) before converting"
-        )
-    shard = decode_shard(data, where=str(path))
-    if shard.sample_id != entry.sample_id or shard.num_tokens != entry.num_tokens:
-        raise L.ConvertInputError(
-            f"{path}: holds sample {shard.sample_id!r} with {shard.num_tokens} tokens, ledger says "
-            f"{entry.sample_id!r} with {entry.num_tokens}"
-        )
-    provenance.require_match(shard.provenance, what=f"shard {path}")
-    return shard
-
-
-def _prefetch(capture_dir: Path, entries: list[LedgerEntry], prov: Provenance) -> Iterator[tuple[LedgerEntry, Shard]]:
-    """Read + hash + decode shards on a helper thread (hashlib and file reads release the GIL)."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-read")
-    pending: deque[tuple[LedgerEntry, Future]] = deque()
-    nxt, inflight = 0, 0
-    try:
-        while nxt < len(entries) or pending:
-            while nxt < len(entries) and (not pending or inflight + entries[nxt].bytes <= PREFETCH_BYTES):
-                e = entries[nxt]
-                pending.append((e, pool.submit(_load, capture_dir, e, prov)))
-                inflight += e.bytes
-                nxt += 1
-            e, fut = pending.popleft()
-            inflight -= e.bytes
-            yield e, fut.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator[tuple[LedgerEntry, Shard]]) -> dict:
@@ -320,7 +242,7 @@ def convert(
 
     bytes_in = bytes_written = 0
     if todo:
-        stream = _prefetch(ledger.capture_dir, [e for pf in todo for e in pf.entries], prov)
+        stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], prov)
         slot = {pf.key: j for j, pf in enumerate(planned)}
         try:
             for pf in todo:
