@@ -58,7 +58,8 @@ def test_resume_continues_with_exactly_the_next_batch(cut):
     resumed.set_epoch(2)  # a trainer calls set_epoch again at the start of the resumed epoch
     got += list(resumed)
     assert got == expected
-    assert resumed.state_dict()["position"] == 0  # finished epoch: next iteration starts over
+    assert resumed.state_dict()["position"] == len(resumed)  # the state says: epoch 2 finished
+    assert list(resumed) == expected  # iterating a finished epoch again starts it over
     resumed.set_epoch(3)
     assert list(resumed) == epoch(full, 3)
 

@@ -9,7 +9,8 @@ Owns the order in which samples reach a trainer. Invariants:
 - A batch's padded size, ``len(batch) * max(length in batch)``, stays <= max_tokens; a sample longer
   than max_tokens travels alone (it cannot be split).
 - ``state_dict()`` records (epoch, position); after ``load_state_dict`` the next iteration yields exactly
-  the batch that an uninterrupted run would have yielded next.
+  the batch that an uninterrupted run would have yielded next. position == len(sampler) means the epoch
+  is finished (the trainer moves on with ``set_epoch(epoch + 1)``).
 - Held-out splits depend only on the sample id (a salted hash), so a sample never changes side when
   the store grows.
 """
@@ -140,10 +141,11 @@ class LengthBucketSampler(torch.utils.data.Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._rank_batches()
+        if self._position >= len(batches):
+            self._position = 0  # iterating a finished epoch again starts it over
         while self._position < len(batches):
             self._position += 1
             yield list(batches[self._position - 1])
-        self._position = 0  # a finished epoch iterates again from its start
 
     def _config(self) -> dict:
         digest = hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]
