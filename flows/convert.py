@@ -1,0 +1,25 @@
+"""Flow: convert one extraction folder into a version of an Arrow-indexed store (composition only)."""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import BaseModel, Field
+
+from tasks.store import convert_to_store
+
+
+class ConvertParams(BaseModel):
+    """Parameters of the convert flow (rendered as a form in the Prefect UI)."""
+
+    extraction_dir: str = Field(description="Extraction folder holding ledger.jsonl and capture/ (validated shards).")
+    store_url: str = Field(description="Store URL: local path, file://, memory://, s3:// or gs:// (credentials "
+                                       "come from the environment or a Prefect block, never from here).")
+    target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Target size of each Arrow data file, in MiB.")
+    append: bool = Field(False, description="Add this extraction's new samples to the store's latest version "
+                                            "instead of making a version of exactly this extraction.")
+
+
+@flow(name="convert", log_prints=True)
+def convert_flow(params: ConvertParams) -> dict:
+    """Validated shards -> Arrow IPC data files + index + manifest (written last)."""
+    return convert_to_store(params.extraction_dir, params.store_url, params.target_file_mb << 20, params.append)

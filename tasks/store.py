@@ -1,0 +1,63 @@
+"""Prefect task over :func:`eaglenest.store.convert`: content cache key, retries only when retryable, artifacts.
+
+The cache key hashes the ledger's content (each validated sample's id, shard sha256 and loss spans) and the
+conversion config (store URL, file size, append) — never the extraction folder's path — so moving an
+extraction keeps the cache, and a changed ledger (new samples, re-validated shard) misses it. A cache hit
+returns the earlier summary without touching storage; ``convert`` itself is idempotent either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.context import TaskRunContext
+
+from eaglenest.ledger import Ledger
+from eaglenest.store import StoreError, convert
+
+_TRANSIENT = (ConnectionError, TimeoutError)
+
+
+def ledger_content_key(extraction_dir: str, config: dict[str, Any]) -> str:
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for sid, e in sorted(Ledger(extraction_dir).entries().items()):
+        h.update(json.dumps([sid, e.sha256, e.loss_spans]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    config = {k: parameters.get(k) for k in ("url", "target_file_bytes", "append")}
+    return "store-convert-" + ledger_content_key(parameters["extraction_dir"], config)
+
+
+def _retryable(task, task_run, state) -> bool:
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, StoreError):
+        return exc.retryable
+    return isinstance(exc, _TRANSIENT)  # remote storage hiccups; contract/disk-full errors are terminal
+
+
+@task(name="convert-to-store", cache_key_fn=_cache_key, persist_result=True, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_retryable)
+def convert_to_store(extraction_dir: str, url: str, target_file_bytes: int = 256 << 20,
+                     append: bool = False) -> dict:
+    """Convert validated shards into a store version; returns the conversion summary as a dict."""
+    artifact = create_progress_artifact(0.0, description=f"converting {extraction_dir} -> {url}")
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100.0 * done / max(total, 1)
+        if pct - last[0] >= 5 or done == total:
+            update_progress_artifact(artifact, pct)
+            last[0] = pct
+
+    summary = convert(extraction_dir, url, target_file_bytes=target_file_bytes, append=append, progress=progress)
+    s = summary.to_dict()
+    rows = "\n".join(f"| {k} | {v} |" for k, v in s.items())
+    create_markdown_artifact(f"### Store version `{summary.version}`\n\n| field | value |\n|---|---|\n{rows}\n",
+                             key="store-convert", description="store conversion summary")
+    return s
