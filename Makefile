@@ -19,6 +19,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check eaglenest tasks flows deployments tests scripts
+	$(VENV)/bin/hadolint Dockerfile
 	$(PY) -m pytest -q -m "$(TEST_MARKERS)"
 
 lint: setup
