@@ -221,7 +221,11 @@ def prefill_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample], *,
         failures.update({k: f for k, f in res.failures.items() if f.kind == "terminal"})
         retry = [s for s in pending if s.sample_id in res.failures and res.failures[s.sample_id].kind == "retryable"]
         if retry and round_ < ext.params.max_relaunch_rounds and ctx.pool.revive() > 0:
-            pending = retry
+            # a dying server may have finished work whose answer never arrived: validate, do not resend
+            done = [s for s in retry if any((d / names[s.sample_id]).is_file() for d in dirs)]
+            step.to_validate += done
+            step.counts.reused_shards += len(done)
+            pending = [s for s in retry if s not in done]
             continue
         failures.update({s.sample_id: res.failures[s.sample_id] for s in retry})
         break

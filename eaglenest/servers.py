@@ -38,7 +38,8 @@ class PreflightError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
-    """How to start one server: ``make(port)`` returns a not-yet-started ServerProcess."""
+    """How to start one server: ``make(port)`` returns a not-yet-started ServerProcess (or any object with
+    its ``start / wait_ready / alive / stop / url / pid`` interface, e.g. an in-thread server in tests)."""
 
     name: str
     make: Callable[[int], ServerProcess]
@@ -64,6 +65,7 @@ class ServerPool:
     _owned: list[_Owned] = field(default_factory=list, init=False)
     launched: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _closing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if bool(self.urls_given) == bool(self.specs):
@@ -87,7 +89,8 @@ class ServerPool:
         return [o.process.url for o in self._owned if o.process is not None]
 
     def pids(self) -> list[int]:
-        return [o.process.pid for o in self._owned if o.process is not None and o.process.alive()]
+        return [o.process.pid for o in self._owned
+                if o.process is not None and o.process.pid is not None and o.process.alive()]
 
     def start(self) -> list[str]:
         if self.urls_given:
@@ -96,17 +99,23 @@ class ServerPool:
                 raise LaunchError(f"given servers are not answering: {', '.join(down)} (start them, or let the "
                                   "extraction launch servers by leaving server_urls empty)")
             return self.urls
+        self._closing = False
+        ex = cf.ThreadPoolExecutor(len(self._owned), thread_name_prefix="launch")
         try:
-            with cf.ThreadPoolExecutor(len(self._owned)) as ex:
-                list(ex.map(self._launch, self._owned))
-        except BaseException:
+            for f in [ex.submit(self._launch, o) for o in self._owned]:
+                f.result()
+        except BaseException:  # a failed launch or a signal: end every group now (their waits then fail fast)
             self.stop()
             raise
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
         return self.urls
 
     def _launch(self, owned: _Owned) -> None:
         proc = owned.spec.make(self.port())
         with self._lock:
+            if self._closing:
+                raise LaunchError("the pool is stopping; not launching")
             owned.process = proc
             proc.start()
             self.launched += 1
@@ -114,6 +123,8 @@ class ServerPool:
         proc.wait_ready(timeout_s=self.launch_timeout_s, ready=self.ready)
 
     def stop(self) -> None:
+        with self._lock:
+            self._closing = True
         for o in self._owned:
             if o.process is not None:
                 o.process.stop()

@@ -17,7 +17,7 @@ from eaglenest.engines.runtime import Captured
 from eaglenest.extract import open_extraction
 from eaglenest.extract_run import run_extraction
 from eaglenest.servers import LaunchSpec, PreflightError, ServerPool
-from tests.test_extract import assert_complete_and_exact, ledger_ids, with_
+from tests.extract_helpers import assert_complete_and_exact, ledger_ids, with_
 
 
 def group_gone(pid):
@@ -48,6 +48,66 @@ def test_server_that_never_becomes_healthy_fails_bounded_with_its_log(tmp_path):
     assert json.loads((tmp_path / "servers.json").read_text())["pids"] == []
 
 
+class ThreadServer:
+    """An in-thread embedded server with ServerProcess's interface; ``stop_after`` requests it goes away."""
+
+    def __init__(self, runner, capture_dir, port, stop_after=None):
+        from eaglenest.engines.embedded import EmbeddedEngine
+        from eaglenest.engines.serving import BackgroundServer
+
+        self.engine = EmbeddedEngine(runner, capture_dir=capture_dir)
+        self.bg = BackgroundServer(self.engine, port=port)
+        self.url, self.pid = self.bg.url, None
+        if stop_after is not None:
+            submit, count = self.engine.submit, [0]
+
+            def submit_then_die(work):
+                count[0] += 1
+                if count[0] > stop_after:
+                    self.bg._server.should_exit = True  # the server goes away; in-flight work finishes
+                return submit(work)
+
+            self.engine.submit = submit_then_die
+
+    def start(self):
+        self.bg.start()
+        return self
+
+    def wait_ready(self, *, timeout_s, ready, poll_s=0.05):
+        deadline = time.monotonic() + timeout_s
+        while not ready(self.url):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"in-thread server {self.url} not ready")
+            time.sleep(poll_s)
+
+    def alive(self):
+        return self.bg._thread.is_alive()
+
+    def stop(self):
+        self.bg.stop()
+        self.engine.close()
+
+
+def test_server_going_away_mid_run_is_relaunched_and_nothing_is_lost(tiny_extract_params, tiny_runner):
+    """Row 9 on in-thread servers (the subprocess + os._exit version is marked slow below)."""
+    params = with_(tiny_extract_params, batch_size=32, concurrency=4)
+    ext = open_extraction(params)
+    launched = []
+
+    def make(port):
+        launched.append(ThreadServer(tiny_runner, ext.capture_dir, port, stop_after=6 if not launched else None))
+        return launched[-1]
+
+    pool = ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30, max_relaunches=2)
+    report = run_extraction(params, pool=pool)
+    assert_complete_and_exact(report, ext.dir)
+    assert len(launched) == 2 and report["run"]["relaunches"] == 1
+    computed = sum(s.engine.stats["requests"] - 1 for s in launched)  # minus each readiness probe
+    assert computed == report["samples"]  # each sample computed once: none lost, none redone
+    assert not any(s.alive() for s in launched)
+
+
+@pytest.mark.slow
 def test_subprocess_server_dying_mid_run_is_relaunched_and_nothing_is_lost(tiny_extract_params):
     """Rows 1 + 9: the server process exits abruptly (os._exit) while answering and writing shards."""
     params = with_(tiny_extract_params, batch_size=32, concurrency=4, max_relaunch_rounds=2)
