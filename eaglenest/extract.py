@@ -236,6 +236,10 @@ class Counts:
     tokens: int = 0
     outliers: int = 0
     regenerated: int = 0
+    prefill_s: float = 0.0
+    """Seconds spent in prefill calls (regeneration included)."""
+    validate_s: float = 0.0
+    """Seconds spent validating (overlaps the next batch's prefill in run_extraction)."""
     argmax_hits: float = 0.0
     argmax_positions: int = 0
     problems: list[dict] = field(default_factory=list)
@@ -250,7 +254,7 @@ class Counts:
 
 
 def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s: float, relaunches: int = 0,
-                 servers_launched: int = 0) -> dict:
+                 servers_launched: int = 0, phases: dict[str, float] | None = None) -> dict:
     """report.json: totals over the extraction plus what this run did. Returns it."""
     entries = ext.ledger.entries()
     ids = {s.sample_id for s in prepared.samples}
@@ -264,6 +268,7 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
     run = asdict(counts)
     run.pop("problems")
     hits, positions = run.pop("argmax_hits"), run.pop("argmax_positions")
+    run["prefill_s"], run["validate_s"] = round(run["prefill_s"], 3), round(run["validate_s"], 3)
     report = {
         "extraction_id": ext.id, "dir": str(ext.dir), "samples": len(prepared.samples),
         "done": len(done), "pending": pending,
@@ -273,6 +278,7 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
         "bytes_done": sum(e.bytes for e in done),
         "run": {**run, "wall_s": round(wall_s, 3), "tok_per_s": round(counts.tokens / wall_s, 1) if wall_s else 0.0,
                 "relaunches": relaunches, "servers_launched": servers_launched,
+                "phases_s": {k: round(v, 3) for k, v in (phases or {}).items()},
                 "argmax_agreement": round(hits / positions, 4) if positions else None},
         "problems": counts.problems,
         "complete": pending == 0,

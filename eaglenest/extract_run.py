@@ -194,7 +194,7 @@ def regenerate_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample]) 
 def prefill_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample], *,
                   on_progress: Callable[[PrefillProgress], None] | None = None) -> PrefillStep:
     """Send the batch's samples that have no shard yet; relaunch and resend retryable failures (bounded)."""
-    step = PrefillStep()
+    step, t0 = PrefillStep(), time.perf_counter()
     names = {s.sample_id: contract.shard_filename(s.sample_id) for s in batch}
     dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
     pending = []
@@ -235,13 +235,14 @@ def prefill_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample], *,
             quarantine(ext.dir, path, sid, f.message, "contract")
     step.counts.failed = len(failures)
     step.counts.problems += [_problem(k, "prefill", f.reason, f.message) for k, f in failures.items()]
+    step.counts.prefill_s = time.perf_counter() - t0
     return step
 
 
 def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *,
                   allow_requeue: bool = True) -> ValidateStep:
     """Validate shards, append the valid ones to the ledger, quarantine the rest (re-queue once)."""
-    step = ValidateStep()
+    step, t0 = ValidateStep(), time.perf_counter()
     if not samples:
         return step
     res = validate_batch(samples, extraction_dir=ext.dir, expect=ctx.expect, server_capture_dirs=ctx.capture_dirs,
@@ -266,6 +267,7 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
             c.invalid += 1
             c.problems.append(_problem(inv.sample_id, "validate", inv.kind, inv.reason))
     c.requeued = len(step.requeue)
+    c.validate_s = time.perf_counter() - t0
     return step
 
 
@@ -279,6 +281,7 @@ def run_extraction(params: ExtractParams, *, on_progress: Callable[[Progress], N
     batches = plan(ext, prepared)
     counts = Counts()
     relaunches = launched = 0
+    phases = {"prepare": time.perf_counter() - t0}
     if batches:
         total = sum(map(len, batches))
         base = {"answered": 0, "failed": 0, "tokens": 0, "requests": 0}
@@ -299,7 +302,9 @@ def run_extraction(params: ExtractParams, *, on_progress: Callable[[Progress], N
 
         pool = pool or make_pool(ext)
         with pool, cf.ThreadPoolExecutor(1, thread_name_prefix="validate") as validator:
+            phases["launch"] = time.perf_counter() - t0 - phases["prepare"]
             ctx = connect(ext, pool, transport=transport)
+            phases["connect"] = time.perf_counter() - t0 - phases["prepare"] - phases["launch"]
             requeue: list[Sample] = []
             running: cf.Future | None = None
 
@@ -327,7 +332,7 @@ def run_extraction(params: ExtractParams, *, on_progress: Callable[[Progress], N
                 report_progress()
             relaunches, launched = pool.relaunches, pool.launched
     return write_report(ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
-                        servers_launched=launched)
+                        servers_launched=launched, phases=phases)
 
 
 __all__ = [

@@ -51,6 +51,7 @@ class ChatEncoder:
 
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer.model_max_length = 1 << 40  # lengths are checked (and skipped) here, not warned about
         if not getattr(self.tokenizer, "chat_template", None):
             raise SampleError(f"the tokenizer in {self.model_dir} has no chat template; give a chat model")
         fp = model_fingerprint(self.model_dir)
