@@ -151,3 +151,30 @@ def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_par
     assert run_extraction(with_(params, server_urls=[url]))["run"]["requests"] == 0  # nothing regenerated again
     assert engine.stats["requests"] == sent
     assert Counter(e["sample_id"] for e in entries).most_common(1)[0][1] == 1
+
+
+def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, monkeypatch):
+    import sys
+    import types
+
+    import eaglenest.engines
+    from eaglenest.extract_run import launch_specs
+
+    calls = []
+    fake = types.ModuleType("eaglenest.engines.sglang_launcher")
+
+    def build_command(**kw):
+        calls.append(kw)
+        return ["python3", "-m", "sglang.launch_server", "--port", str(kw["port"])], {"SGL_X": "1"}
+
+    fake.build_command = build_command
+    monkeypatch.setitem(sys.modules, "eaglenest.engines.sglang_launcher", fake)
+    monkeypatch.setattr(eaglenest.engines, "sglang_launcher", fake, raising=False)
+    ext = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, sglang_args=["--tp-size", "2"]))
+    procs = [spec.make(31000 + i) for i, spec in enumerate(launch_specs(ext))]
+    assert procs[1].cmd[-1] == "31001" and procs[1].url == "http://127.0.0.1:31001" and procs[0].env == {"SGL_X": "1"}
+    assert calls[0]["capture_dir"] == ext.capture_dir and calls[0]["aux_layer_ids"] == [1, 3, 4]
+    assert calls[0]["model_dir"] == ext.model_dir and calls[0]["host"] == "127.0.0.1"
+    # data parallel on one host: each server gets its own GPUs
+    assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
+    assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
