@@ -264,7 +264,10 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
     skipped: dict[str, int] = {}
     for s in all_skipped:
         skipped[s.kind] = skipped.get(s.kind, 0) + 1
-    pending = len(prepared.samples) - len(done) - len(regen_skipped)
+    for p in counts.problems:  # longer than the servers' context (smaller than the model's): skipped, not pending
+        if p["kind"] == "too_long" and p["sample_id"] not in regen_skipped:
+            skipped["too_long_for_server"] = skipped.get("too_long_for_server", 0) + 1
+    pending = len(prepared.samples) - len(done) - len(regen_skipped) - skipped.get("too_long_for_server", 0)
     run = asdict(counts)
     run.pop("problems")
     hits, positions = run.pop("argmax_hits"), run.pop("argmax_positions")
@@ -272,7 +275,7 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
     report = {
         "extraction_id": ext.id, "dir": str(ext.dir), "samples": len(prepared.samples),
         "done": len(done), "pending": pending,
-        "skipped": skipped, "skipped_total": len(all_skipped) + counts.skipped,
+        "skipped": skipped, "skipped_total": sum(skipped.values()),
         "bad_records": len(prepared.bad), "bad_record_examples": [asdict(b) for b in prepared.bad[:50]],
         "tokens_done": sum(e.num_tokens for e in done), "loss_tokens_done": sum(e.loss_tokens for e in done),
         "bytes_done": sum(e.bytes for e in done),

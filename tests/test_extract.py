@@ -178,3 +178,24 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     # data parallel on one host: each server gets its own GPUs
     assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
     assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
+
+
+def test_resume_on_a_server_with_other_numerics_is_refused(tiny_extract_params, capture_servers, tiny_model_dir):
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.engines.serving import BackgroundServer
+
+    params = with_(tiny_extract_params, limit=20)
+    ext = open_extraction(params)
+    ((url, _),) = capture_servers(ext.capture_dir)  # float32
+    assert run_extraction(with_(params, server_urls=[url]))["done"] > 1
+    ledger = ext.dir / "ledger.jsonl"
+    ledger.write_text("".join(ledger.read_text().splitlines(keepends=True)[:-1]))  # one sample left to do
+    for shard in ext.capture_dir.iterdir():
+        shard.unlink()
+    engine = EmbeddedEngine(TargetRunner(tiny_model_dir, dtype="bfloat16"), capture_dir=ext.capture_dir)
+    with BackgroundServer(engine) as other:
+        with pytest.raises(ConfigChanged, match=r"dtype.*differ from .*provenance.json"):
+            run_extraction(with_(params, server_urls=[other]))
+        assert engine.stats["requests"] == 1  # refused before any sample was sent (the probe only)
+    engine.close()
