@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eaglenest import contract
@@ -128,11 +129,31 @@ def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans:
     return matches, int(pos.numel())
 
 
+# The numeric checks run on numpy views of the bf16 bit patterns: elementwise torch ops on the CPU pay
+# thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server.
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)  # zero copy
+
+
+def _nonfinite(bits: np.ndarray) -> tuple[int, int] | None:
+    """First (row, col) whose bf16 exponent is all ones (Inf or NaN), else None."""
+    bad = (bits & 0x7F80) == 0x7F80
+    if not bad.any():
+        return None
+    r, c = np.argwhere(bad)[0]
+    return int(r), int(c)
+
+
+def _mean_norms(bits: np.ndarray, groups: int) -> list[float]:
+    """Mean over tokens of the L2 norm of each of ``groups`` equal column blocks (bf16 bits -> float32)."""
+    t = bits.shape[0]
+    f = (bits.astype(np.uint32) << 16).view(np.float32).reshape(t, groups, -1)  # [T, k, H]
+    return np.sqrt(np.einsum("tkh,tkh->tk", f, f)).mean(axis=0).tolist()  # [k]
+
+
 def _norms(shard: contract.Shard) -> list[float]:
-    k, h = len(shard.provenance.aux_layer_ids), shard.provenance.hidden_size
-    aux = shard.aux_hidden.float().view(shard.num_tokens, k, h)  # [T, k, H]
-    per_layer = aux.norm(dim=-1).mean(dim=0).tolist()  # [k]
-    return [*per_layer, float(shard.final_hidden.float().norm(dim=-1).mean())]
+    k = len(shard.provenance.aux_layer_ids)
+    return [*_mean_norms(_bits(shard.aux_hidden), k), *_mean_norms(_bits(shard.final_hidden), 1)]
 
 
 def check_shard(
@@ -153,18 +174,16 @@ def check_shard(
     ids = shard.input_ids
     if ids.shape[0] != sample.num_tokens:
         raise InvalidShard(f"shard has T={ids.shape[0]} rows, the request had {sample.num_tokens} tokens", "tokens")
-    sent = torch.from_numpy(sample.input_ids.copy())
-    if not torch.equal(ids, sent):
-        first = int((ids != sent).nonzero()[0, 0])
-        raise InvalidShard(f"input_ids differ from the request at position {first}", "tokens")
+    differ = np.flatnonzero(ids.numpy() != sample.input_ids)
+    if differ.size:
+        raise InvalidShard(f"input_ids differ from the request at position {int(differ[0])}", "tokens")
     k, h = len(expect.aux_layer_ids), expect.hidden_size
     if shard.aux_hidden.shape[1] != k * h or shard.final_hidden.shape[1] != h:
         raise InvalidShard(f"aux_hidden width {shard.aux_hidden.shape[1]} / final width {shard.final_hidden.shape[1]}"
                            f", expected {k}*{h}={k * h} / {h}", "shape", requeue=False)
     for name, t in (("aux_hidden", shard.aux_hidden), ("final_hidden", shard.final_hidden)):
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            bad = (~finite).nonzero()[0].tolist()
+        bad = _nonfinite(_bits(t))
+        if bad is not None:
             raise InvalidShard(f"non-finite value in {name} at [token {bad[0]}, col {bad[1]}]", "nonfinite")
     stats: dict = {"norms": [round(x, 4) for x in _norms(shard)]}
     if sample.regenerated and lm_head is not None:
@@ -260,9 +279,8 @@ def _flag_outliers(stats: list[dict], factor: float) -> int:
     """Mark ``stats['outliers']`` with the layer indices (last = final) far from the batch median."""
     if len(stats) < 4:
         return 0
-    norms = torch.tensor([s["norms"] for s in stats], dtype=torch.float64)  # [N, k + 1]
-    median = norms.median(dim=0).values.clamp_min(1e-12)  # [k + 1]
-    ratio = norms / median
+    norms = np.asarray([s["norms"] for s in stats], dtype=np.float64)  # [N, k + 1]
+    ratio = norms / np.maximum(np.median(norms, axis=0), 1e-12)  # [N, k + 1]
     flagged = 0
     for s, row in zip(stats, ratio.tolist(), strict=True):
         bad = [i for i, r in enumerate(row) if r > factor or r < 1 / factor]

@@ -108,8 +108,10 @@ def main() -> None:
                     raise SystemExit(f"extraction incomplete: {report['problems'][:3]}")
                 e2e_tokens = report["tokens_done"]
                 best["end to end"] = min(best["end to end"], dt * tokens / e2e_tokens)
+                r = report["run"]
                 print(f"round {rnd} end to end   {e2e_tokens / dt:9.1f} tok/s ({dt:.2f} s, "
-                      f"{report['done']} samples validated)", flush=True)
+                      f"{report['done']} samples validated; phases {r['phases_s']} prefill {r['prefill_s']} s "
+                      f"validate {r['validate_s']} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {k: tokens / v for k, v in best.items()}
