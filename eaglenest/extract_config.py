@@ -52,12 +52,15 @@ class ExtractParams(BaseModel):
     aux_layer_ids: list[int] | None = Field(None, description="Aux decoder layers; default [1, L//2-1, L-4].")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Numerics of launched embedded servers (auto = bf16 where the CPU is fast at it).")
-    batch_size: int = Field(128, ge=1, le=4096, description="Samples per prefill/validate step (one task each).")
+    batch_size: int = Field(128, ge=1, le=4096, description=(
+        "Samples per prefill/validate step (one task each). In-flight requests drain at each batch end: keep it "
+        ">= ~8 x servers x concurrency on GPU servers."))
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight per server.")
     max_tokens: int | None = Field(None, ge=8, description=(
         "Skip samples longer than this (default: the context length). Never truncated."))
     context_headroom: int = Field(8, ge=0, le=4096, description="Tokens kept free below the context length.")
-    regeneration: RegenerationParams = Field(default_factory=RegenerationParams)
+    regeneration: RegenerationParams = Field(default_factory=RegenerationParams, description=(
+        "Let the target answer the prompts itself (off: capture the source's own answers)."))
     extraction_id: str | None = Field(None, pattern=ID_PATTERN, description=(
         "Name of the extraction folder; default = a hash of the content-defining parameters, so the same "
         "request resumes the same extraction."))
