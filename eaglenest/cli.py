@@ -9,10 +9,14 @@ from typing import Annotated
 
 import typer
 
+from eaglenest.cli_extract import app as extract_app
+from eaglenest.cli_store import app as store_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
 app.add_typer(model_app, name="model")
-app.add_typer(__import__("eaglenest.cli_store", fromlist=["app"]).app, name="store")
+app.add_typer(extract_app, name="extract")
+app.add_typer(store_app, name="store")
 
 
 class Engine(StrEnum):

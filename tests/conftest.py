@@ -44,3 +44,38 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+# ---------------------------------------------------------------- extraction (issue 3)
+@pytest.fixture
+def capture_servers(tiny_runner):
+    """Factory: ``start(capture_dir, n=1)`` -> [(url, engine)] of in-thread embedded servers sharing the
+    session's tiny runner; all stopped at teardown. Set EAGLENEST_FAULTS (monkeypatch) before calling to
+    inject faults (eaglenest/engines/faults.py)."""
+    import contextlib
+
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.serving import BackgroundServer
+
+    with contextlib.ExitStack() as stack:
+
+        def start(capture_dir, n=1, settings=None):
+            out = []
+            for _ in range(n):
+                engine = EmbeddedEngine(tiny_runner, capture_dir=capture_dir, settings=settings)
+                stack.callback(engine.close)
+                out.append((stack.enter_context(BackgroundServer(engine)), engine))
+            return out
+
+        yield start
+
+
+@pytest.fixture
+def tiny_extract_params(tiny_model_dir, tmp_path):
+    """ExtractParams for ~20 real ShareGPT samples (first turns of the first 100 conversations that fit
+    384 tokens) on the tiny model, with fast timeouts. limit=200, max_tokens=512 gives ~50 samples."""
+    from eaglenest.extract_config import ExtractParams
+
+    return ExtractParams(model=str(tiny_model_dir), limit=100, max_turns=1, max_tokens=384,
+                         output_dir=str(tmp_path / "out"), extraction_id="t", batch_size=8, concurrency=4,
+                         request_timeout_s=20, backoff_s=0.01, shard_wait_s=0.5, launch_timeout_s=60)

@@ -343,7 +343,14 @@ def _error(e: RequestError) -> JSONResponse:
 
 
 def create_app(engine: EmbeddedEngine) -> FastAPI:
+    """The HTTP app. Set ``EAGLENEST_FAULTS`` to inject faults (tests only; see engines/faults.py)."""
+    from eaglenest.engines.faults import FaultMiddleware, Faults
+
     app = FastAPI(title="eaglenest embedded capture server")
+    faults = Faults.from_env()
+    if faults is not None:
+        log.warning("fault injection on: %s", faults)
+        app.add_middleware(FaultMiddleware, faults=faults)
 
     @app.get("/health")
     async def health():

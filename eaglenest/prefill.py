@@ -1,0 +1,419 @@
+"""The batched prefill client: async httpx requests to one or more engine servers (data parallel).
+
+Owns how requests reach servers and which failures are retried:
+
+- :class:`EngineClient` runs jobs (one ``POST /generate`` each) through ``concurrency`` workers per
+  server pulling from one queue, so a fast server takes more work and a dead one takes none.
+- Retryable (re-queued with exponential backoff + jitter, possibly to another server, up to
+  ``max_attempts``): connection errors/resets, timeouts, 5xx except 507, 408, 429. Terminal (reported
+  per job, never retried): other 4xx (400 bad request, 413 context, 422 capture invalid), 507 (disk
+  full: the server is also taken out of the call, no retry storm), and contract violations in an
+  answer (wrong shard name or token count, prefix-cache reuse).
+- A server with ``down_after`` consecutive connection failures (or a full window of timeouts) is taken
+  out of this call; when none is left, the rest fails fast as retryable ``server_unavailable`` (the
+  caller relaunches).
+- :func:`prefill` sends ``{input_ids, rid=sample_id, sampling_params.max_new_tokens=0}`` per sample. The
+  answer need not carry ``meta_info.capture`` (SGLang's does not); when it does, it is checked.
+
+Invariants: every job ends exactly once, as an :class:`Answer` or a :class:`Failure`; no request is
+sent for a job after its terminal failure; the transport and the sleep function are injectable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from eaglenest import contract
+from eaglenest.data.samples import Sample
+
+Kind = Literal["retryable", "terminal"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientConfig:
+    concurrency: int = 8
+    """Requests in flight per server."""
+    timeout_s: float = 600.0
+    """Read/write timeout of one request (a hung server is abandoned after this)."""
+    connect_timeout_s: float = 10.0
+    max_attempts: int = 4
+    """Tries per request for retryable errors (1 = no retry)."""
+    backoff_s: float = 0.5
+    backoff_max_s: float = 15.0
+    down_after: int = 3
+    """Consecutive connection failures (or max(down_after, concurrency) consecutive timeouts) after which a
+    server takes no more work in this call."""
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1:
+            raise ValueError("concurrency, max_attempts and down_after must be >= 1")
+
+
+@dataclass(slots=True)
+class Job:
+    key: str
+    """Sample id (capture) or a ``nocapture:`` rid (generation)."""
+    body: dict[str, Any]
+    payload: Any = None
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    key: str
+    server: str
+    body: dict[str, Any]
+    attempts: int
+    latency_s: float
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    key: str
+    kind: Kind
+    reason: str
+    """Short class: connection | timeout | server_error | client_error | disk_full | contract | server_unavailable."""
+    message: str
+    server: str | None
+    attempts: int
+    status: int | None = None
+    payload: Any = None
+
+
+@dataclass(slots=True)
+class ClientStats:
+    requests: int = 0
+    retries: int = 0
+    answered: int = 0
+    failed: int = 0
+    per_server: dict[str, int] = field(default_factory=dict)
+    servers_down: list[str] = field(default_factory=list)
+
+
+class _Attempt(Exception):
+    def __init__(self, kind: Kind, reason: str, message: str, status: int | None = None,
+                 retry_after: float | None = None, server_down: bool = False) -> None:
+        super().__init__(message)
+        self.kind, self.reason, self.message, self.status = kind, reason, message, status
+        self.retry_after, self.server_down = retry_after, server_down
+
+
+@dataclass(slots=True)
+class _Server:
+    url: str
+    down: bool = False
+    failures: int = 0
+    """Consecutive connection failures."""
+    timeouts: int = 0
+    """Consecutive timeouts."""
+    workers: int = 0
+
+
+Check = Callable[[Job, dict[str, Any]], str | None]
+"""Answer check: returns a contract-violation message (terminal) or None."""
+OnOutcome = Callable[[Answer | Failure], Iterable[Job] | None]
+"""Called once per finished job; may return follow-up jobs (e.g. the next turn to regenerate)."""
+
+
+class EngineClient:
+    def __init__(self, servers: Sequence[str], *, config: ClientConfig | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep, rng: random.Random | None = None) -> None:
+        if not servers:
+            raise ValueError("no server URLs given")
+        self.config = config or ClientConfig()
+        self._servers = [_Server(u.rstrip("/")) for u in servers]
+        self._transport, self._sleep = transport, sleep
+        self._rng = rng or random.Random()
+        self.stats = ClientStats(per_server={s.url: 0 for s in self._servers})
+
+    async def run(self, jobs: Iterable[Job], *, check: Check | None = None,
+                  on_outcome: OnOutcome | None = None) -> list[Answer | Failure]:
+        cfg = self.config
+        timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+        limits = httpx.Limits(max_connections=cfg.concurrency * len(self._servers) + 4)
+        self._queue: asyncio.Queue[Job | None] = asyncio.Queue()
+        self._open = 0
+        self._idle = asyncio.Event()
+        self._outcomes: list[Answer | Failure] = []
+        self._check, self._on_outcome = check, on_outcome
+        self._backoffs: set[asyncio.Task] = set()
+        self._crash: BaseException | None = None
+        for job in jobs:
+            self._add(job)
+        if self._open == 0:
+            return []
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport) as client:
+            workers = [asyncio.create_task(self._worker(client, s)) for s in self._servers
+                       for _ in range(cfg.concurrency)]
+            try:
+                await self._idle.wait()
+            finally:
+                for task in [*self._backoffs, *(w for w in workers if self._crash is not None)]:
+                    task.cancel()
+                for _ in workers:
+                    self._queue.put_nowait(None)
+                await asyncio.gather(*workers, *self._backoffs, return_exceptions=True)
+        if self._crash is not None:
+            raise self._crash
+        return self._outcomes
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _add(self, job: Job) -> None:
+        self._open += 1
+        self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> None:
+        if all(s.down for s in self._servers):
+            self._finish(Failure(job.key, "retryable", "server_unavailable",
+                                 "no server left to take the request (all were taken out after failures: "
+                                 + "; ".join(job.errors[-2:]) + ")", None, job.attempts, payload=job.payload))
+        else:
+            self._queue.put_nowait(job)
+
+    def _finish(self, outcome: Answer | Failure) -> None:
+        self._outcomes.append(outcome)
+        if isinstance(outcome, Answer):
+            self.stats.answered += 1
+        else:
+            self.stats.failed += 1
+        follow = self._on_outcome(outcome) if self._on_outcome else None
+        for job in follow or ():
+            self._add(job)
+        self._open -= 1
+        if self._open == 0:
+            self._idle.set()
+
+    def _take_down(self, server: _Server) -> None:
+        if server.down:
+            return
+        server.down = True
+        self.stats.servers_down.append(server.url)
+        if all(s.down for s in self._servers):
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if job is not None:
+                    self._enqueue(job)
+
+    async def _later(self, job: Job, delay: float) -> None:
+        try:
+            await self._sleep(delay)
+            self._enqueue(job)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            if self._crash is None:
+                self._crash = e
+            self._idle.set()
+
+    # ---------------------------------------------------------------- requests
+    async def _worker(self, client: httpx.AsyncClient, server: _Server) -> None:
+        try:
+            await self._work(client, server)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a failing callback (or an interrupt) must end the call, not hang it
+            if self._crash is None:
+                self._crash = e
+            self._idle.set()
+
+    async def _work(self, client: httpx.AsyncClient, server: _Server) -> None:
+        while True:
+            job = await self._queue.get()
+            if job is None:
+                return
+            if server.down:  # hand the job to a live server and stop taking work
+                self._enqueue(job)
+                return
+            job.attempts += 1
+            self.stats.requests += 1
+            self.stats.per_server[server.url] += 1
+            t0 = time.perf_counter()
+            try:
+                body = await self._post(client, server, job)
+            except _Attempt as e:
+                job.errors.append(f"{server.url}: {e.message}")
+                if e.server_down or self._looks_dead(server, e.reason):
+                    self._take_down(server)
+                if e.kind == "retryable" and job.attempts < self.config.max_attempts:
+                    self.stats.retries += 1
+                    delay = e.retry_after if e.retry_after is not None else self._backoff(job.attempts)
+                    task = asyncio.create_task(self._later(job, delay))
+                    self._backoffs.add(task)
+                    task.add_done_callback(self._backoffs.discard)
+                else:
+                    msg = e.message if e.kind == "terminal" else f"gave up after {job.attempts} attempts: {e.message}"
+                    self._finish(Failure(job.key, e.kind, e.reason, msg, server.url, job.attempts, e.status,
+                                         payload=job.payload))
+                continue
+            server.failures = server.timeouts = 0
+            self._finish(Answer(job.key, server.url, body, job.attempts, time.perf_counter() - t0, job.payload))
+
+    def _looks_dead(self, server: _Server, reason: str) -> bool:
+        """Connection failures in a row mean a dead server; timeouts need a full window of them (every
+        in-flight request), so a merely slow server is not taken out."""
+        if reason == "connection":
+            return server.failures >= self.config.down_after
+        if reason == "timeout":
+            return server.timeouts >= max(self.config.down_after, self.config.concurrency)
+        return False
+
+    def _backoff(self, attempt: int) -> float:
+        base = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
+        return base * (0.5 + self._rng.random())
+
+    async def _post(self, client: httpx.AsyncClient, server: _Server, job: Job) -> dict[str, Any]:
+        try:
+            r = await client.post(f"{server.url}/generate", json=job.body)
+        except httpx.TimeoutException as e:
+            server.timeouts += 1
+            raise _Attempt("retryable", "timeout", f"timed out ({type(e).__name__})") from None
+        except httpx.TransportError as e:
+            server.failures += 1
+            raise _Attempt("retryable", "connection", f"connection failed ({type(e).__name__}: {e})") from None
+        if r.status_code != 200:
+            raise _classify_status(r)
+        try:
+            body = r.json()
+        except ValueError:
+            raise _Attempt("terminal", "contract", f"answer is not JSON (HTTP 200, {len(r.content)} bytes)") from None
+        if not isinstance(body, dict):
+            raise _Attempt("terminal", "contract", f"answer is a {type(body).__name__}, expected one JSON object")
+        problem = self._check(job, body) if self._check else None
+        if problem:
+            raise _Attempt("terminal", "contract", problem)
+        return body
+
+
+def _classify_status(r: httpx.Response) -> _Attempt:
+    try:
+        detail = r.json().get("error", {}).get("message") or r.text[:300]
+    except (ValueError, AttributeError):
+        detail = r.text[:300]
+    msg = f"HTTP {r.status_code}: {detail}"
+    code = r.status_code
+    if code == 507:
+        return _Attempt("terminal", "disk_full", msg + " (free disk space on the server, then re-run)", code,
+                        server_down=True)
+    if code >= 500 or code in (408, 429):
+        retry_after = None
+        if r.headers.get("retry-after", "").isdigit():
+            retry_after = min(float(r.headers["retry-after"]), 60.0)
+        return _Attempt("retryable", "server_error", msg, code, retry_after=retry_after)
+    return _Attempt("terminal", "client_error", msg, code)
+
+
+# ------------------------------------------------------------------------------ prefill
+@dataclass(slots=True)
+class PrefillResult:
+    answers: dict[str, Answer] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)
+    stats: ClientStats = field(default_factory=ClientStats)
+    tokens: int = 0
+    """Prompt tokens of the answered samples."""
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    done: int
+    failed: int
+    total: int
+    tokens: int
+    requests: int
+    retries: int
+
+
+def capture_request(sample: Sample) -> dict[str, Any]:
+    return {"input_ids": sample.input_ids.tolist(), "rid": sample.sample_id,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
+
+
+def check_capture_answer(job: Job, body: dict[str, Any]) -> str | None:
+    """Contract checks on a capture answer (meta_info.capture is optional; checked when present)."""
+    sample: Sample = job.payload
+    meta = body.get("meta_info") or {}
+    if not isinstance(meta, dict):
+        return "meta_info is not an object"
+    t = sample.num_tokens
+    if isinstance(meta.get("prompt_tokens"), int) and meta["prompt_tokens"] != t:
+        return f"server computed {meta['prompt_tokens']} prompt tokens for {sample.sample_id!r}, {t} were sent"
+    if isinstance(meta.get("cached_tokens"), int) and meta["cached_tokens"] > 0:
+        return (f"server reused {meta['cached_tokens']} cached prompt tokens for {sample.sample_id!r}: capture needs "
+                "every token computed in the request's prefill (launch SGLang with --disable-radix-cache)")
+    cap = meta.get("capture")
+    if cap is None:
+        return None
+    if not isinstance(cap, dict):
+        return "meta_info.capture is not an object"
+    want = contract.shard_filename(sample.sample_id)
+    if cap.get("shard") not in (None, want):
+        return f"server wrote shard {cap.get('shard')!r} for {sample.sample_id!r}, expected {want!r}"
+    if cap.get("num_tokens") not in (None, t):
+        return f"server captured {cap.get('num_tokens')} tokens for {sample.sample_id!r}, {t} were sent"
+    return None
+
+
+async def prefill_async(
+    samples: Sequence[Sample], servers: Sequence[str], *, config: ClientConfig | None = None,
+    transport: httpx.AsyncBaseTransport | None = None, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    on_progress: Callable[[PrefillProgress], None] | None = None,
+) -> PrefillResult:
+    """Prefill every sample once (rid = sample id) across ``servers``; longest first."""
+    client = EngineClient(servers, config=config, transport=transport, sleep=sleep)
+    result = PrefillResult(stats=client.stats)
+    ordered = sorted(samples, key=lambda s: -s.num_tokens)  # long ones first: less tail latency
+
+    def on_outcome(o: Answer | Failure) -> None:
+        if isinstance(o, Answer):
+            result.answers[o.key] = o
+            result.tokens += o.payload.num_tokens
+        else:
+            result.failures[o.key] = o
+        if on_progress is not None:
+            s = client.stats
+            on_progress(PrefillProgress(len(result.answers), len(result.failures), len(ordered), result.tokens,
+                                        s.requests, s.retries))
+
+    t0 = time.perf_counter()
+    await client.run((Job(s.sample_id, capture_request(s), payload=s) for s in ordered),
+                     check=check_capture_answer, on_outcome=on_outcome)
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+def run_sync(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run a coroutine to completion from sync code, also when the caller's thread has a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_fn())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro_fn())
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="eaglenest-client")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def prefill(samples: Sequence[Sample], servers: Sequence[str], **kwargs: Any) -> PrefillResult:
+    """Blocking :func:`prefill_async`."""
+    return run_sync(lambda: prefill_async(samples, servers, **kwargs))

@@ -1,0 +1,290 @@
+"""Shard validation and quarantine: a sample is done only when its shard passes every check here.
+
+Owns the checks between "the server answered" and "the ledger records the sample":
+
+1. the shard exists (waiting a bounded ``shard_wait_s``: SGLang may publish it just after answering);
+2. it parses as schema v1 (known version, tensors present, dtypes/shapes consistent);
+3. its sample id and provenance equal the run's (engine, model/tokenizer/template hashes, dtype,
+   aux layers, convention, ...);
+4. ``input_ids`` equal the request exactly (so T equals the prompt length);
+5. aux width = len(aux_layer_ids) * H and final width = H of the run;
+6. every value finite;
+7. per-layer mean token norms (aux layers and final), flagged as outliers against the batch median;
+8. for regenerated samples: argmax of the target LM head over final_hidden[t] vs token[t + 1] on
+   assistant spans, reported as an agreement rate (optionally a floor).
+
+Invariants: an invalid shard is moved to ``<extraction>/quarantine/`` with ``<name>.reason.json``
+and never stays under its capture name; a missing shard and a provenance mismatch are terminal
+(systematic: re-sending cannot help); other invalid shards may be re-queued once by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eaglenest import contract
+from eaglenest.data.samples import Sample
+from eaglenest.ledger import LedgerEntry
+
+QUARANTINE = "quarantine"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expectation:
+    """What every shard of the run must carry. ``provenance`` None = not known yet (SGLang without a
+    capture block): the listed fields are checked and the first valid shard pins the rest."""
+
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    num_layers: int
+    model_hash: str
+    tokenizer_hash: str
+    chat_template_hash: str
+    provenance: contract.Provenance | None = None
+
+    def mismatches(self, p: contract.Provenance) -> list[str]:
+        if self.provenance is not None:
+            return [f"{n}: {getattr(p, n)!r} != {getattr(self.provenance, n)!r}"
+                    for n in self.provenance.mismatches(p)]
+        want = {"aux_layer_ids": tuple(self.aux_layer_ids), "hidden_size": self.hidden_size,
+                "num_layers": self.num_layers, "model_hash": self.model_hash, "tokenizer_hash": self.tokenizer_hash,
+                "chat_template_hash": self.chat_template_hash, "convention": contract.CONVENTION,
+                "schema_version": contract.SCHEMA_VERSION}
+        return [f"{k}: {getattr(p, k)!r} != {v!r}" for k, v in want.items() if getattr(p, k) != v]
+
+    def pinned(self, p: contract.Provenance) -> Expectation:
+        from dataclasses import replace
+
+        return replace(self, provenance=p)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidateConfig:
+    shard_wait_s: float = 30.0
+    """How long a shard may take to appear after its answer before 'capture missing' (terminal)."""
+    poll_s: float = 0.05
+    outlier_factor: float = 4.0
+    """A layer's mean norm more than this factor above/below the batch median is flagged (not rejected)."""
+    min_argmax_agreement: float | None = None
+    """For regenerated samples: reject below this LM-head argmax agreement (None = report only)."""
+
+
+class InvalidShard(Exception):
+    def __init__(self, reason: str, kind: str, *, requeue: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.kind, self.requeue = reason, kind, requeue
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    sample_id: str
+    kind: str
+    """missing | unreadable | provenance | tokens | shape | nonfinite | argmax."""
+    reason: str
+    requeue: bool
+    quarantined: str | None = None
+
+
+@dataclass(slots=True)
+class BatchValidation:
+    entries: list[LedgerEntry] = field(default_factory=list)
+    invalid: list[Invalid] = field(default_factory=list)
+    pinned: contract.Provenance | None = None
+    """The provenance the batch pinned (only when the expectation had none)."""
+    outliers: int = 0
+
+
+def load_lm_head(model_dir: str | Path) -> torch.Tensor:
+    """The target's LM head [V, H] (or its tied input embedding), read alone from the safetensors files."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                    return sf.get_tensor(name).float()  # [V, H]
+    raise contract.ContractError(f"{model_dir}: no lm_head.weight or model.embed_tokens.weight in its safetensors")
+
+
+def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence[tuple[int, int]],
+                     lm_head: torch.Tensor, *, chunk: int = 256) -> tuple[int, int]:
+    """(matches, positions): argmax(lm_head @ final_hidden[t]) == input_ids[t + 1] for t + 1 in a span."""
+    pos = torch.tensor([t - 1 for a, b in spans for t in range(max(a, 1), b)], dtype=torch.long)  # [P]
+    if pos.numel() == 0:
+        return 0, 0
+    matches = 0
+    for i in range(0, pos.numel(), chunk):
+        p = pos[i : i + chunk]
+        logits = final_hidden[p].float() @ lm_head.T  # [P, V]
+        matches += int((logits.argmax(-1) == input_ids[p + 1].long()).sum())
+    return matches, int(pos.numel())
+
+
+# The numeric checks run on numpy views of the bf16 bit patterns: elementwise torch ops on the CPU pay
+# thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server.
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)  # zero copy
+
+
+def _nonfinite(bits: np.ndarray) -> tuple[int, int] | None:
+    """First (row, col) whose bf16 exponent is all ones (Inf or NaN), else None."""
+    bad = (bits & 0x7F80) == 0x7F80
+    if not bad.any():
+        return None
+    r, c = np.argwhere(bad)[0]
+    return int(r), int(c)
+
+
+def _mean_norms(bits: np.ndarray, groups: int) -> list[float]:
+    """Mean over tokens of the L2 norm of each of ``groups`` equal column blocks (bf16 bits -> float32)."""
+    t = bits.shape[0]
+    f = (bits.astype(np.uint32) << 16).view(np.float32).reshape(t, groups, -1)  # [T, k, H]
+    return np.sqrt(np.einsum("tkh,tkh->tk", f, f)).mean(axis=0).tolist()  # [k]
+
+
+def _norms(shard: contract.Shard) -> list[float]:
+    k = len(shard.provenance.aux_layer_ids)
+    return [*_mean_norms(_bits(shard.aux_hidden), k), *_mean_norms(_bits(shard.final_hidden), 1)]
+
+
+def check_shard(
+    sample: Sample, data: bytes, expect: Expectation, *, where: str, lm_head: torch.Tensor | None = None,
+    config: ValidateConfig | None = None,
+) -> tuple[contract.Shard, dict]:
+    """Every per-shard check; returns (shard, stats) or raises InvalidShard."""
+    config = config or ValidateConfig()
+    try:
+        shard = contract.decode_shard(data, where=where)
+    except contract.ContractError as e:
+        raise InvalidShard(f"unreadable shard: {e}", "unreadable") from None
+    if shard.sample_id != sample.sample_id:
+        raise InvalidShard(f"shard holds sample {shard.sample_id!r}, expected {sample.sample_id!r}", "unreadable")
+    diff = expect.mismatches(shard.provenance)
+    if diff:
+        raise InvalidShard("provenance differs from the run's: " + "; ".join(diff), "provenance", requeue=False)
+    ids = shard.input_ids
+    if ids.shape[0] != sample.num_tokens:
+        raise InvalidShard(f"shard has T={ids.shape[0]} rows, the request had {sample.num_tokens} tokens", "tokens")
+    differ = np.flatnonzero(ids.numpy() != sample.input_ids)
+    if differ.size:
+        raise InvalidShard(f"input_ids differ from the request at position {int(differ[0])}", "tokens")
+    k, h = len(expect.aux_layer_ids), expect.hidden_size
+    if shard.aux_hidden.shape[1] != k * h or shard.final_hidden.shape[1] != h:
+        raise InvalidShard(f"aux_hidden width {shard.aux_hidden.shape[1]} / final width {shard.final_hidden.shape[1]}"
+                           f", expected {k}*{h}={k * h} / {h}", "shape", requeue=False)
+    for name, t in (("aux_hidden", shard.aux_hidden), ("final_hidden", shard.final_hidden)):
+        bad = _nonfinite(_bits(t))
+        if bad is not None:
+            raise InvalidShard(f"non-finite value in {name} at [token {bad[0]}, col {bad[1]}]", "nonfinite")
+    stats: dict = {"norms": [round(x, 4) for x in _norms(shard)]}
+    if sample.regenerated and lm_head is not None:
+        hit, n = argmax_agreement(shard.final_hidden, ids, sample.loss_spans, lm_head)
+        rate = hit / n if n else 1.0
+        stats["argmax_agreement"] = round(rate, 4)
+        stats["argmax_positions"] = n
+        if config.min_argmax_agreement is not None and rate < config.min_argmax_agreement:
+            raise InvalidShard(f"LM-head argmax agrees with the regenerated tokens at {rate:.1%} < "
+                               f"{config.min_argmax_agreement:.1%}", "argmax")
+    return shard, stats
+
+
+def quarantine(extraction_dir: str | Path, path: Path, sample_id: str, reason: str, kind: str) -> str:
+    """Move an invalid shard out of the capture folder, next to a ``.reason.json``; returns its new name."""
+    qdir = Path(extraction_dir) / QUARANTINE
+    qdir.mkdir(parents=True, exist_ok=True)
+    name, n = path.name, 0
+    while (qdir / name).exists() or (qdir / f"{name}.reason.json").exists():
+        n += 1
+        name = f"{path.name}.{n}"
+    os.replace(path, qdir / name)
+    note = {"sample_id": sample_id, "kind": kind, "reason": reason, "shard": path.name, "time": time.time()}
+    contract.atomic_write_bytes(qdir / f"{name}.reason.json", json.dumps(note, indent=1).encode())
+    return name
+
+
+def _wait_for(paths: dict[str, list[Path]], config: ValidateConfig,
+              clock: Callable[[], float], sleep: Callable[[float], None]) -> dict[str, Path | None]:
+    found: dict[str, Path | None] = {}
+    deadline = clock() + config.shard_wait_s
+    while True:
+        for sid, candidates in paths.items():
+            if found.get(sid) is None:
+                found[sid] = next((p for p in candidates if p.is_file()), None)
+        if all(found.values()) or clock() >= deadline:
+            return found
+        sleep(config.poll_s)
+
+
+def validate_batch(
+    samples: Sequence[Sample], *, extraction_dir: str | Path, expect: Expectation,
+    server_capture_dirs: Sequence[str | Path] = (), config: ValidateConfig | None = None,
+    lm_head: torch.Tensor | None = None, clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> BatchValidation:
+    """Validate the shards of answered samples; valid ones become ledger entries (not yet appended).
+
+    Shards are looked up in ``<extraction>/capture`` and then in ``server_capture_dirs``; a valid
+    shard found elsewhere is moved into the extraction's capture folder.
+    """
+    config = config or ValidateConfig()
+    capture = Path(extraction_dir) / "capture"
+    capture.mkdir(parents=True, exist_ok=True)
+    dirs = [capture, *(Path(d) for d in server_capture_dirs if Path(d).resolve() != capture.resolve())]
+    names = {s.sample_id: contract.shard_filename(s.sample_id) for s in samples}
+    found = _wait_for({sid: [d / n for d in dirs] for sid, n in names.items()}, config, clock, sleep)
+    out = BatchValidation()
+    checked: list[tuple[Sample, Path, bytes, dict]] = []
+    for s in samples:
+        path = found[s.sample_id]
+        if path is None:
+            out.invalid.append(Invalid(s.sample_id, "missing", (
+                f"capture missing: no shard {names[s.sample_id]} in {', '.join(map(str, dirs))} within "
+                f"{config.shard_wait_s:g} s of the answer (is capture enabled on the server and its capture dir "
+                "this extraction's?)"), requeue=False))
+            continue
+        data = path.read_bytes()
+        try:
+            shard, stats = check_shard(s, data, expect, where=str(path), lm_head=lm_head, config=config)
+        except InvalidShard as e:
+            q = quarantine(extraction_dir, path, s.sample_id, e.reason, e.kind)
+            out.invalid.append(Invalid(s.sample_id, e.kind, e.reason, e.requeue, q))
+            continue
+        if expect.provenance is None:  # the first valid shard pins the run's full provenance
+            expect = expect.pinned(shard.provenance)
+            out.pinned = shard.provenance
+        if path.parent != capture:
+            contract.atomic_write_bytes(capture / path.name, data)
+            path.unlink()
+        checked.append((s, capture / path.name, data, stats))
+    out.outliers = _flag_outliers([c[3] for c in checked], config.outlier_factor)
+    for s, path, data, stats in checked:
+        out.entries.append(LedgerEntry(
+            sample_id=s.sample_id, shard=path.name, sha256=contract.sha256_bytes(data), bytes=len(data),
+            num_tokens=s.num_tokens, loss_tokens=s.loss_tokens, loss_spans=s.loss_spans,
+            regenerated=s.regenerated, stats=stats,
+        ))
+    return out
+
+
+def _flag_outliers(stats: list[dict], factor: float) -> int:
+    """Mark ``stats['outliers']`` with the layer indices (last = final) far from the batch median."""
+    if len(stats) < 4:
+        return 0
+    norms = np.asarray([s["norms"] for s in stats], dtype=np.float64)  # [N, k + 1]
+    ratio = norms / np.maximum(np.median(norms, axis=0), 1e-12)  # [N, k + 1]
+    flagged = 0
+    for s, row in zip(stats, ratio.tolist(), strict=True):
+        bad = [i for i, r in enumerate(row) if r > factor or r < 1 / factor]
+        if bad:
+            s["outliers"] = bad
+            flagged += 1
+    return flagged

@@ -1,0 +1,175 @@
+"""The prefill client against injected transports: what is retried, what is terminal, data parallelism."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from eaglenest import contract
+from eaglenest.data import Sample
+from eaglenest.prefill import ClientConfig, prefill, prefill_async
+
+A, B = "http://a", "http://b"
+
+
+def samples(n, t=5):
+    return [Sample(sample_id=f"s{i}", input_ids=list(range(1, t + 1 + i % 3)), loss_spans=((1, 2),))
+            for i in range(n)]
+
+
+def ok(request, **meta):
+    body = json.loads(request.content)
+    t = len(body["input_ids"])
+    info = {"id": body["rid"], "prompt_tokens": t, "cached_tokens": 0,
+            "capture": {"shard": contract.shard_filename(body["rid"]), "num_tokens": t}}
+    info.update(meta)
+    return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": info})
+
+
+class Recorder:
+    """A fake set of servers: ``rule(request, n, rid_count)`` answers; records every request."""
+
+    def __init__(self, rule):
+        self.rule, self.calls, self.per_rid = rule, [], {}
+
+    async def __call__(self, request):
+        await asyncio.sleep(0)  # yield like a real connection, so every worker gets work
+        rid = json.loads(request.content)["rid"]
+        self.per_rid[rid] = self.per_rid.get(rid, 0) + 1
+        self.calls.append((str(request.url.host), rid))
+        return self.rule(request, len(self.calls), self.per_rid[rid])
+
+    def transport(self):
+        return httpx.MockTransport(self)
+
+
+async def no_sleep(_s):
+    return None
+
+
+def run(rec, n=12, servers=(A,), **cfg):
+    config = ClientConfig(**{"concurrency": 3, "max_attempts": 3, "backoff_s": 0.0, **cfg})
+    return asyncio.run(prefill_async(samples(n), list(servers), config=config, transport=rec.transport(),
+                                     sleep=no_sleep))
+
+
+def test_transient_503_and_resets_are_retried_until_answered():
+    def rule(req, n, tries):
+        if tries == 1 and n % 3 == 0:
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        if tries == 1 and n % 4 == 0:
+            raise httpx.RemoteProtocolError("peer closed connection", request=req)
+        return ok(req)
+
+    rec = Recorder(rule)
+    res = run(rec)
+    assert len(res.answers) == 12 and not res.failures  # nothing lost
+    assert res.stats.retries == sum(v - 1 for v in rec.per_rid.values()) > 0
+    assert max(rec.per_rid.values()) == 2  # each retried once, then answered
+    assert res.tokens == sum(s.num_tokens for s in samples(12))
+
+
+@pytest.mark.parametrize(("status", "reason"), [(400, "client_error"), (413, "client_error"),
+                                                (422, "client_error"), (507, "disk_full")])
+def test_terminal_statuses_are_never_retried(status, reason):
+    rec = Recorder(lambda req, n, tries: httpx.Response(status, json={"error": {"message": f"no ({status})"}}))
+    res = run(rec, n=4)
+    assert not res.answers and set(res.failures) == {f"s{i}" for i in range(4)}  # each reported, none lost
+    failed = list(res.failures.values())
+    assert all(f.kind == "terminal" for f in failed if f.reason == reason)
+    if status == 507:  # disk full: the one server is taken out at once, no retry storm
+        assert len(rec.calls) <= 3 and any(f.reason == "disk_full" for f in failed)
+        assert all(f.reason in ("disk_full", "server_unavailable") for f in failed)
+    else:
+        assert len(rec.calls) == 4 and all(v == 1 for v in rec.per_rid.values())
+        assert all(f"no ({status})" in f.message for f in failed)
+
+
+def test_retries_stop_at_max_attempts_with_the_reason():
+    rec = Recorder(lambda req, n, tries: httpx.Response(500, json={"error": {"message": "boom"}}))
+    res = run(rec, n=2, max_attempts=3, down_after=100)
+    assert all(v == 3 for v in rec.per_rid.values())
+    f = res.failures["s0"]
+    assert f.kind == "retryable" and f.attempts == 3 and "gave up after 3 attempts" in f.message
+
+
+def test_dead_server_is_taken_out_and_its_work_moves_to_the_live_one():
+    def rule(req, n, tries):
+        if req.url.host == "b":
+            raise httpx.ConnectError("connection refused", request=req)
+        return ok(req)
+
+    rec = Recorder(rule)
+    res = run(rec, n=20, servers=(A, B), max_attempts=4, down_after=2)
+    assert len(res.answers) == 20 and not res.failures
+    assert res.stats.servers_down == [B]
+    assert all(a.server == A for a in res.answers.values())
+    assert sum(1 for host, _ in rec.calls if host == "b") <= 2 + 3  # down after 2 + in-flight ones
+
+
+def test_all_servers_dead_fails_fast_as_retryable():
+    rec = Recorder(lambda req, n, tries: (_ for _ in ()).throw(httpx.ConnectError("refused", request=req)))
+    res = run(rec, n=30, servers=(A, B), max_attempts=10, down_after=2)
+    assert not res.answers and len(res.failures) == 30
+    assert {f.kind for f in res.failures.values()} == {"retryable"}
+    assert any(f.reason == "server_unavailable" for f in res.failures.values())
+    assert len(rec.calls) < 30  # most samples never hit a dead server
+
+
+def test_timeouts_are_retryable():
+    def rule(req, n, tries):
+        if tries == 1 and n % 2 == 0:
+            raise httpx.ReadTimeout("timed out", request=req)
+        return ok(req)
+
+    res = run(Recorder(rule), n=8, down_after=100)
+    assert len(res.answers) == 8 and res.stats.retries == 4
+
+
+@pytest.mark.parametrize(("meta", "match"), [
+    ({"capture": {"shard": "other.safetensors", "num_tokens": 1}}, "wrote shard 'other.safetensors'"),
+    ({"prompt_tokens": 1}, "computed 1 prompt tokens"),
+    ({"cached_tokens": 3}, "reused 3 cached prompt tokens"),
+])
+def test_contract_violations_in_answers_are_terminal(meta, match):
+    rec = Recorder(lambda req, n, tries: ok(req, **meta))
+    res = run(rec, n=3)
+    assert len(rec.calls) == 3 and not res.answers
+    assert all(f.kind == "terminal" and f.reason == "contract" for f in res.failures.values())
+    assert match in res.failures["s0"].message
+
+
+def test_answer_without_capture_meta_is_accepted_like_sglang():
+    def rule(req, n, tries):
+        return httpx.Response(200, json={"text": "", "meta_info": {"id": "x", "prompt_tokens": len(
+            json.loads(req.content)["input_ids"])}})
+
+    assert len(run(Recorder(rule), n=5).answers) == 5
+
+
+def test_two_servers_share_the_work_and_in_flight_is_bounded():
+    in_flight, peak = {"a": 0, "b": 0}, {"a": 0, "b": 0}
+
+    async def handler(req):
+        host = req.url.host
+        in_flight[host] += 1
+        peak[host] = max(peak[host], in_flight[host])
+        await asyncio.sleep(0.002)
+        in_flight[host] -= 1
+        return ok(req)
+
+    res = asyncio.run(prefill_async(samples(40), [A, B], config=ClientConfig(concurrency=3),
+                                    transport=httpx.MockTransport(handler)))
+    per = res.stats.per_server
+    assert len(res.answers) == 40 and per[A] + per[B] == 40 and per[A] > 5 and per[B] > 5
+    assert max(peak.values()) <= 3
+
+
+def test_progress_callback_and_sync_wrapper():
+    seen = []
+    rec = Recorder(lambda req, n, tries: ok(req))
+    res = prefill(samples(6), [A], config=ClientConfig(concurrency=2), transport=rec.transport(),
+                  on_progress=seen.append)
+    assert len(res.answers) == 6
+    assert [p.done for p in seen] == list(range(1, 7)) and seen[-1].total == 6 and seen[-1].requests == 6
