@@ -227,6 +227,35 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
+def publish_once(path: str | Path, data: bytes) -> tuple[Path, bytes]:
+    """Atomically create ``path`` with ``data`` unless a complete file is already there.
+
+    Shards are write-once: a late duplicate of a request (a client retried after a timeout while the
+    engine was still computing the first attempt) must never replace a shard that may already be
+    validated and recorded by its sha256. Returns the path and the bytes now under it (the earlier
+    file's when one was kept). To replace a shard, move it away first (quarantine).
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if the name exists: never overwrites
+        except FileExistsError:
+            return path, path.read_bytes()
+        finally:
+            os.unlink(tmp)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path, data
+
+
 def encode_shard(shard: Shard) -> bytes:
     shard.check()
     bad = [n for n, t in (("aux_hidden", shard.aux_hidden), ("final_hidden", shard.final_hidden))

@@ -81,6 +81,10 @@ class ExtractParams(BaseModel):
     embedded_max_batch_size: int = Field(8, ge=1, le=256, description="Embedded server: prefills per forward.")
     min_argmax_agreement: float | None = Field(None, ge=0, le=1, description=(
         "Regenerated samples: reject shards whose LM-head argmax agrees with the tokens less often."))
+    store_url: str | None = Field(None, description=(
+        "Last step: convert the validated shards into an Arrow-indexed store at this fsspec URL (local path, "
+        "file://, memory://, s3://, gs://); skipped when unset or while samples are pending."))
+    store_target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Store: target size of each data file (MiB).")
 
     @model_validator(mode="after")
     def _check(self) -> ExtractParams:

@@ -18,6 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eaglenest.extract import Counts
 from eaglenest.extract_config import ExtractParams
 from tasks import extract as t
+from tasks.store import convert_to_store
 
 
 class ExtractionIncomplete(RuntimeError):
@@ -31,11 +32,14 @@ def _teardown(flow_obj, flow_run, state) -> None:
     t.teardown_servers(Path(params.output_path).expanduser().resolve() / params.resolved_extraction_id())
 
 
-def store_step(extraction_dir: Path, report: dict, params: ExtractParams) -> None:
-    """STORE HOOK: the store conversion (``eaglenest.store``, issue 4) becomes the flow's last step here:
-    convert the ledger's validated shards of ``extraction_dir`` into the Arrow-indexed store. Not
-    implemented by the extraction stage on purpose."""
-    return None
+def store_step(extraction_dir: Path, report: dict, params: ExtractParams) -> dict | None:
+    """Last step: the ledger's validated shards -> a version of the Arrow-indexed store at ``store_url``.
+
+    Runs only for a complete extraction (nothing pending), so a store never holds a partial run; the task
+    is cached on the ledger's content, so a re-run of a complete flow converts nothing again."""
+    if not params.store_url or report["pending"]:
+        return None
+    return convert_to_store(str(extraction_dir), params.store_url, params.store_target_file_mb << 20)
 
 
 @flow(name="extract", on_failure=[_teardown], on_crashed=[_teardown],
@@ -76,7 +80,9 @@ def extract(params: ExtractParams = ExtractParams()) -> dict:
                 counts.add(t.validate_batch(ext, ctx, step.to_validate, allow_requeue=False).counts)
             relaunches, launched = pool.relaunches, pool.launched
     rep = t.report(ext, prepared, counts, time.perf_counter() - t0, relaunches, launched)
-    store_step(ext.dir, rep, params)
+    store = store_step(ext.dir, rep, params)
+    if store is not None:
+        rep = {**rep, "store": store}
     if rep["pending"]:
         raise ExtractionIncomplete(
             f"extraction {ext.id}: {rep['pending']} samples still pending ({rep['run']['failed']} failed, "

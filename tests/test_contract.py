@@ -160,3 +160,14 @@ def test_failed_write_removes_temporary(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         contract.write_shard(tmp_path, make_shard())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_are_write_once(tmp_path):
+    """A late duplicate (client retried after a timeout) never replaces a shard that may be validated."""
+    first = contract.encode_shard(make_shard("dup", seed=1))
+    second = contract.encode_shard(make_shard("dup", seed=2))
+    path, kept = contract.publish_once(tmp_path / "dup.safetensors", first)
+    assert kept == first
+    path2, kept2 = contract.publish_once(tmp_path / "dup.safetensors", second)
+    assert path2 == path and kept2 == first and path.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.safetensors"]  # no temporary left

@@ -12,6 +12,7 @@ import pytest
 
 from eaglenest.extract import open_extraction
 from eaglenest.extract_config import ExtractParams
+from eaglenest.ledger import Ledger
 from tests.extract_helpers import assert_complete_and_exact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def test_flow_extracts_sharegpt_on_two_servers_then_reruns_with_zero_requests(pr
 
     params = ExtractParams(model=str(tiny_model_dir), limit=200, max_turns=1, max_tokens=512, batch_size=16,
                            concurrency=4, output_dir=str(tmp_path / "out"), extraction_id="flow-x",
-                           request_timeout_s=60, shard_wait_s=1)
+                           request_timeout_s=60, shard_wait_s=1, store_url=str(tmp_path / "store"))
     ext_dir = open_extraction(params).dir
     servers = capture_servers(ext_dir / "capture", n=2)
     params = ExtractParams(**{**params.model_dump(), "server_urls": [u for u, _ in servers]})
@@ -49,6 +50,12 @@ def test_flow_extracts_sharegpt_on_two_servers_then_reruns_with_zero_requests(pr
     again = extract(params)
     assert [e.stats["requests"] for _, e in servers] == before  # the re-run sends zero requests (row 24)
     assert again["run"]["requests"] == 0 and again["run"]["servers_launched"] == 0 and again["done"] == report["done"]
+    # the store is the flow's last step: every validated sample, verified; the re-run converts nothing
+    from eaglenest.store import open_store
+
+    store = open_store(str(tmp_path / "store"), verify=True)
+    assert sorted(store.sample_ids) == sorted(Ledger(ext_dir).entries()) and len(store) == report["done"]
+    assert again["store"] == report["store"]
 
 
 def _sigterm_flow_when(params, ready, extra_env):

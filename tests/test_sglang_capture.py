@@ -176,7 +176,7 @@ def test_writer_reports_disk_full_as_507(writer, tmp_path, monkeypatch):
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(contract, "atomic_write_bytes", full)
+    monkeypatch.setattr(contract, "publish_once", full)
     writer.submit(host_batch([view("d", 0, 2, 2)], [(0, range(2))], []))
     writer.close()
     receipt = read_receipt(tmp_path, "d")

@@ -202,8 +202,8 @@ class EmbeddedEngine:
             provenance=self.provenance,
         )
         try:
-            data = contract.encode_shard(shard)
-            path = contract.atomic_write_bytes(self.capture_dir / contract.shard_filename(w.rid), data)
+            path, data = contract.publish_once(self.capture_dir / contract.shard_filename(w.rid),
+                                               contract.encode_shard(shard))
         except contract.ContractError as e:
             raise RequestError(422, str(e), "capture_invalid") from None
         except OSError as e:

@@ -397,7 +397,7 @@ class CaptureWriter:
 
     def _write(self, rid: str, data: bytes, meta: dict[str, Any]) -> None:
         try:
-            path = contract.atomic_write_bytes(self.capture_dir / contract.shard_filename(rid), data)
+            path, data = contract.publish_once(self.capture_dir / contract.shard_filename(rid), data)
             self._count("shards")
             self._count("shard_bytes", len(data))
             write_receipt(self.receipt_dir, rid, {"ok": True, "shard": path.name, **meta, "bytes": len(data),
