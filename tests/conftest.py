@@ -58,7 +58,9 @@ def drafter_store(tiny_runner):
 
     rng = random.Random(0)
     tok = tiny_runner.tokenizer
-    lines = [ln.strip() for ln in open(os.__file__).read().splitlines() if len(ln.strip()) > 20]
+    from pathlib import Path
+
+    lines = [ln.strip() for ln in Path(os.__file__).read_text().splitlines() if len(ln.strip()) > 20]
     prompts = [tok.apply_chat_template([{"role": "user", "content": " ".join(rng.sample(lines, rng.randint(1, 3)))}],
                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
                for _ in range(40)]

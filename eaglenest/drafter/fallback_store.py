@@ -147,9 +147,12 @@ class LengthBucketSampler:
         while self.position < len(batches):
             self.position += 1
             yield batches[self.position - 1]
+        self.position = 0  # a finished epoch iterates again from its start (as eaglenest.store's sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = int(epoch), 0
+        """A different epoch starts at its first batch; the current one keeps its position."""
+        if int(epoch) != self.epoch:
+            self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}

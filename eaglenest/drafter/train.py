@@ -144,8 +144,15 @@ def _build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: i
     else:
         ids, vocab = torch.zeros(size, dtype=torch.int64), None
     if d.world > 1:
-        dist.broadcast(ids, src=0)
+        comm = ids.to(_comm_device(device))
+        dist.broadcast(comm, src=0)
+        ids = comm.cpu()
     return vocab or DraftVocab(ids, vocab_size)
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """Where collective tensors live: the GPU for nccl, the CPU for gloo."""
+    return device if device.type == "cuda" else torch.device("cpu")
 
 
 def train(config: TrainConfig, *, store=None, callback: Callable[[dict], None] | None = None,
@@ -209,15 +216,17 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
     total = config.max_steps or max(1, math.ceil(config.epochs * stream.batches_per_epoch() / per_step))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, warmup=config.warmup_steps, total=total, min_ratio=config.min_lr_ratio))
-    step, history, tokens_done = 0, [], 0
+    step, history, tokens_done, seconds_before = 0, [], 0, 0.0
     if resume is not None:
+        step, history = resume.step, resume.state["history"]
+        tokens_done, seconds_before = int(resume.state["train_tokens"]), float(resume.state.get("train_seconds", 0))
+        if step >= total:  # already complete: nothing to compute (re-run of a finished run)
+            return _finished(run_dir, d, resume, total)
         optimizer.load_state_dict(resume.optimizer)
         scheduler.load_state_dict(resume.trainer["scheduler"])
         stream.load_state_dict(resume.trainer["stream"])
         torch.set_rng_state(resume.trainer["rng_torch"])
         random.setstate(resume.trainer["rng_python"])
-        step, history = resume.step, resume.state["history"]
-        tokens_done = int(resume.state["train_tokens"])
         log.info("resumed %s at step %d/%d", resume.path, step, total)
     head_dtype = torch.bfloat16 if bf16 else torch.float32
     head_full = tt.lm_head.to(device=device, dtype=head_dtype)  # [V, H] frozen target head
@@ -254,7 +263,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
             trainer_state = {"scheduler": scheduler.state_dict(), "stream": stream.state_dict(),
                              "rng_torch": torch.get_rng_state(), "rng_python": random.getstate()}
             state = dict(state_base, history=history, train_tokens=tokens_done, last_eval=last_eval,
-                         vocab_size=vocab.size)
+                         vocab_size=vocab.size, train_seconds=seconds_before + clock() - t_loop)
             path = ckpts.save(step=step, model=drafter.state_dict(), optimizer=optimizer.state_dict(),
                               trainer=trainer_state, state=state)
             emit({"kind": "checkpoint", "step": step, "path": str(path)})
@@ -272,8 +281,9 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
         counts = sum(step_counts(b.loss_mask, k) for b in batches).to(torch.float64)  # [k]
         ntok = torch.tensor(float(sum(b.num_tokens for b in batches)), dtype=torch.float64)
         if d.world > 1:
-            packed = torch.cat([counts.cpu(), ntok.view(1)])
+            packed = torch.cat([counts.cpu(), ntok.view(1)]).to(_comm_device(device))
             dist.all_reduce(packed)
+            packed = packed.cpu()
             counts, ntok = packed[:k], packed[k]
         scales = [w * d.world / max(float(c), 1.0) for w, c in zip(weights, counts.tolist(), strict=True)]
         lr_used = optimizer.param_groups[0]["lr"]
@@ -295,7 +305,9 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
         stats = torch.tensor([total_loss, float(not finite), *step_loss, *step_correct], dtype=torch.float64)
         if d.world > 1:
+            stats = stats.to(_comm_device(device))
             dist.all_reduce(stats)
+            stats = stats.cpu()
         if stats[1] > 0 or not bool(torch.isfinite(grad_norm)):
             ids = [store.sample_ids[i] for b in batches for i in b.indices]
             raise NonFiniteLoss(
@@ -310,7 +322,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
         rec = {"step": step, "loss": float(stats[0]), "lr": lr_used, "grad_norm": float(grad_norm),
                "tokens": int(ntok)}
         history.append(rec)
-        emit({"kind": "train", **rec, "epoch": stream.epoch, "batches": micro,
+        emit({"kind": "train", **rec, "total_steps": total, "epoch": stream.epoch, "batches": micro,
               "step_loss": [float(stats[2 + i]) / c[i] for i in range(k)],
               "step_acc": [float(stats[2 + k + i]) / c[i] for i in range(k)]})
         if step % config.log_every == 0 and d.rank == 0:
@@ -319,9 +331,9 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
                      float(stats[2 + k]) / c[0], rate)
         out_of_time = config.max_minutes is not None and (clock() - t_start) / 60.0 >= config.max_minutes
         if d.world > 1:
-            flag = torch.tensor(float(out_of_time))
+            flag = torch.tensor(float(out_of_time), device=_comm_device(device))
             dist.broadcast(flag, src=0)
-            out_of_time = bool(flag)
+            out_of_time = bool(flag.cpu())
         if config.eval_every and step % config.eval_every == 0 and step < total:
             last_eval = run_eval()
         if out_of_time and step < total:
@@ -337,6 +349,18 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
                          tokens_per_s=(tokens_done - tokens_at_start) / max(clock() - t_loop, 1e-9),
                          eval=last_eval, history=history)
     if d.rank == 0:
+        contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
+    return result
+
+
+def _finished(run_dir: Path, d: Dist, resume, total: int) -> TrainResult:
+    st = resume.state
+    seconds = float(st.get("train_seconds", 0.0))
+    result = TrainResult(status="done", step=resume.step, total_steps=total, run_dir=str(run_dir),
+                         checkpoint=str(resume.path), train_tokens=int(st["train_tokens"]), elapsed_s=seconds,
+                         tokens_per_s=int(st["train_tokens"]) / max(seconds, 1e-9), eval=st.get("last_eval"),
+                         history=st["history"])
+    if d.rank == 0 and not (run_dir / "result.json").is_file():
         contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
     return result
 
