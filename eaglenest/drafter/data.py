@@ -1,7 +1,8 @@
 """Training data for the drafter: the ONE place that touches the store API.
 
 Owns the adapter to ``eaglenest.store`` (``open_store``, ``LengthBucketSampler``; a stand-in with the
-same interface is used while that module is absent), the held-out split, collation into padded
+same interface is used while that module is absent; a local extraction folder is also accepted as a
+store and read shard by shard), the held-out split, collation into padded
 :class:`~eaglenest.drafter.ttt.Batch` es and :class:`BatchStream`, the endless, resumable stream of
 micro-batches across epochs.
 
@@ -15,20 +16,33 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
 from eaglenest import contract
+from eaglenest.drafter import fallback_store
 from eaglenest.drafter.ttt import Batch
 
-try:  # the Arrow store (issue 4); the integrator's merge makes this branch the one taken
-    from eaglenest.store import LengthBucketSampler, open_store
+try:  # the Arrow store (eaglenest.store); the stand-in serves checkouts without it
+    from eaglenest.store import LengthBucketSampler
+    from eaglenest.store import open_store as open_arrow_store
 except ModuleNotFoundError as e:  # pragma: no cover - depends on the checkout
     if e.name != "eaglenest.store":
         raise
-    from eaglenest.drafter.fallback_store import LengthBucketSampler, open_store
+    from eaglenest.drafter.fallback_store import LengthBucketSampler
+
+    open_arrow_store = None
 
 __all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "split_indices"]
+
+
+def open_store(url: str):
+    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place."""
+    path = Path(str(url).removeprefix("file://"))
+    if (path / "ledger.jsonl").is_file() or open_arrow_store is None:
+        return fallback_store.open_store(path)
+    return open_arrow_store(str(url))
 
 
 def held_out(sample_id: str, fraction: float) -> bool:
@@ -109,6 +123,9 @@ class BatchStream:
         self.epoch = int(state["epoch"])
         self.sampler.set_epoch(self.epoch)
         self.sampler.load_state_dict(state["sampler"])
+        if int(self.sampler.state_dict()["position"]) >= len(self.sampler):  # that epoch was used up
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
         self._it = iter(self.sampler)
 
     def batches_per_epoch(self) -> int:

@@ -144,10 +144,11 @@ class LengthBucketSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._batches()
+        if self.position >= len(batches):
+            self.position = 0  # iterating a finished epoch again starts it over (as eaglenest.store's sampler)
         while self.position < len(batches):
             self.position += 1
             yield batches[self.position - 1]
-        self.position = 0  # a finished epoch iterates again from its start (as eaglenest.store's sampler)
 
     def set_epoch(self, epoch: int) -> None:
         """A different epoch starts at its first batch; the current one keeps its position."""

@@ -38,7 +38,7 @@ KV cache use (what a speculative decoder does, batch rows advancing together):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -223,7 +223,6 @@ class DraftKVCache:
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
-    positions: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -401,16 +400,3 @@ def load_target_tensors(model_dir: str | Path) -> TargetTensors:
         with safe_open(str(where[name]), framework="pt") as fh:
             got[key] = fh.get_tensor(name)
     return TargetTensors(config=config, **got)
-
-
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def draft_flops_per_token(cfg: DrafterConfig) -> float:
-    """FLOPs of one draft forward per row (fc + layer + head, attention scores excluded)."""
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
-    macs = (cfg.num_aux * cfg.target_hidden_size * h + qkv + cfg.num_attention_heads * hd * h
-            + 3 * h * i + h * cfg.draft_vocab_size)
-    return 2.0 * macs

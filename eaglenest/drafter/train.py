@@ -136,7 +136,7 @@ def _resolve(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
 
 
 def _build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist) -> DraftVocab:
-    size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 16384, vocab_size)
+    size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
     if d.rank == 0:
         vocab = build_draft_vocab(((store[i].input_ids, store[i].loss_mask) for i in train_idx),
                                   vocab_size=vocab_size, size=size)
@@ -271,7 +271,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
             dist.barrier()
         return path
 
-    status, last_eval, t_loop = "done", None, clock()
+    status, last_eval, last_eval_step, t_loop = "done", None, -1, clock()
     tokens_at_start = tokens_done
     while step < total:
         micro = stream.take(per_step)
@@ -335,13 +335,14 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
             dist.broadcast(flag, src=0)
             out_of_time = bool(flag.cpu())
         if config.eval_every and step % config.eval_every == 0 and step < total:
-            last_eval = run_eval()
+            last_eval, last_eval_step = run_eval(), step
         if out_of_time and step < total:
             status = "time_budget"
             break
         if step % config.save_every == 0 and step < total:
             save(last_eval)
-    last_eval = run_eval() or last_eval
+    if last_eval is None or last_eval_step != step:
+        last_eval = run_eval() or last_eval
     path = save(last_eval)
     elapsed = clock() - t_start
     result = TrainResult(status=status, step=step, total_steps=total, run_dir=str(run_dir),

@@ -57,7 +57,8 @@ class TargetRows:
     """Target-side tables for the rows that carry loss (row = a position j with loss_mask[j])."""
 
     row_of: torch.Tensor  # [B, T] int64, -1 where no row
-    logp: torch.Tensor  # [M, Vd] fp32 log-softmax over the draft vocabulary
+    p: torch.Tensor  # [M, Vd] fp32 target distribution over the draft vocabulary
+    neg_entropy: torch.Tensor  # [M] fp32 sum(p * log p)
     argmax: torch.Tensor  # [M] int64 target id of the full-vocabulary argmax
     in_vocab: torch.Tensor  # [M] bool
 
@@ -86,16 +87,21 @@ def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, 
     n = int(mask.sum())
     row_of[mask] = torch.arange(n, device=mask.device)
     rows = batch.final_hidden[mask].to(head_full.dtype)  # [M, H]
-    logps, argmaxes = [], []
+    ps, negents, argmaxes = [], [], []
     head_draft = head_full[draft_ids]  # [Vd, H]
     for s in range(0, n, chunk):
         h = rows[s : s + chunk]
-        argmaxes.append((h @ head_full.T).argmax(-1))  # [m]
-        logps.append(F.log_softmax((h @ head_draft.T).float(), dim=-1))  # [m, Vd]
+        argmaxes.append((h @ head_full.T).max(-1).indices)  # [m]  (max() is ~5x faster than argmax in bf16)
+        logp = F.log_softmax((h @ head_draft.T).float(), dim=-1)  # [m, Vd]
+        p = logp.exp()
+        ps.append(p)
+        negents.append((p * logp).sum(-1))
     vd = draft_ids.numel()
-    logp = torch.cat(logps) if logps else torch.zeros(0, vd, device=mask.device)
-    argmax = torch.cat(argmaxes) if argmaxes else torch.zeros(0, dtype=torch.int64, device=mask.device)
-    return TargetRows(row_of=row_of, logp=logp, argmax=argmax, in_vocab=t2d[argmax])
+    dev = mask.device
+    p = torch.cat(ps) if ps else torch.zeros(0, vd, device=dev)
+    negent = torch.cat(negents) if negents else torch.zeros(0, device=dev)
+    argmax = torch.cat(argmaxes) if argmaxes else torch.zeros(0, dtype=torch.int64, device=dev)
+    return TargetRows(row_of=row_of, p=p, neg_entropy=negent, argmax=argmax, in_vocab=t2d[argmax])
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -111,16 +117,17 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, ks: list[
     """Query of step i at anchor t over step-0 keys (causal) and its own chain keys of steps 1..i.
 
     q, k0, v0, ks[j], vs[j]: [B, nh, T, hd] (kv already repeated to nh heads) -> [B, nh, T, hd].
+    One softmax over [T step-0 scores ; i chain scores] per query (in the compute dtype: the CPU
+    kernel accumulates in fp32).
     """
     t = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    q = q * q.shape[-1] ** -0.5
+    s0 = q @ k0.transpose(-1, -2)  # [B, nh, T, T]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s0 = s0.masked_fill(~causal, float("-inf"))
-    sd = torch.stack([(q * kj).sum(-1) for kj in ks], dim=-1) * scale  # [B, nh, T, i]
-    p = torch.softmax(torch.cat((s0, sd), dim=-1).float(), dim=-1).to(q.dtype)
-    out = p[..., :t] @ v0  # [B, nh, T, hd]
-    return out + (p[..., t:, None] * torch.stack(vs, dim=-2)).sum(-2)
+    s0 = s0.masked_fill_(~causal, float("-inf"))
+    sd = (torch.stack(ks, dim=-2) @ q[..., None]).squeeze(-1)  # [B, nh, T, i]
+    p0, pd = torch.softmax(torch.cat((s0, sd), dim=-1), dim=-1).split([t, len(ks)], dim=-1)
+    return p0 @ v0 + (pd[..., None, :] @ torch.stack(vs, dim=-2)).squeeze(-2)
 
 
 def unroll(model: Eagle3Drafter, batch: Batch, k: int):
@@ -157,13 +164,15 @@ def _step_loss(model: Eagle3Drafter, out: torch.Tensor, rows: TargetRows, i: int
     row = shift_left(rows.row_of, 1 + i, fill=-1)  # [B, T] target row of anchor t at step i
     anchors = row >= 0
     r = row[anchors]  # [N]
-    logq = F.log_softmax(model.head(out[anchors]).float(), dim=-1)  # [N, Vd]
-    logp = rows.logp[r]
-    keep = rows.in_vocab[r]
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # [N]
-    loss_sum = (kl * keep).sum()
+    z = model.head(out[anchors])  # [N, Vd] draft logits (bf16 under autocast)
+    logq = F.log_softmax(z.float(), dim=-1)  # (faster than logsumexp on CPU)
+    # rows are numbered in (b, j) order, so r is sorted; all M rows (the usual case: loss starts after
+    # the prompt) means r is the identity and the [N, Vd] gather is skipped
+    p = rows.p if r.numel() == rows.p.shape[0] else rows.p[r]
+    kl = rows.neg_entropy[r] - (p * logq).sum(-1)  # [N] KL(p || q) = sum p log p - sum p log q
+    loss_sum = (kl * rows.in_vocab[r]).sum()
     with torch.no_grad():
-        hit = model.to_target_ids(logq.argmax(-1)) == rows.argmax[r]  # [N]
+        hit = model.to_target_ids(z.max(-1).indices) == rows.argmax[r]  # [N] (max() beats argmax in bf16)
         match = torch.zeros_like(anchors)
         match[anchors] = hit
     return StepResult(loss_sum=loss_sum, correct=int(hit.sum()), counted=int(r.numel()), match=match)
