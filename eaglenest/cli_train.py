@@ -15,7 +15,14 @@ from typing import Annotated
 
 import typer
 
+from eaglenest.drafter.config import TrainConfig
+
 app = typer.Typer(no_args_is_help=True)
+
+
+def _d(field: str):
+    """The TrainConfig default: the CLI never restates a default."""
+    return TrainConfig.model_fields[field].default
 
 
 class Precision(StrEnum):
@@ -46,30 +53,32 @@ def _overrides(pairs: list[str]) -> dict:
 def train_command(
     store: Annotated[str, typer.Option(help="store URL (Arrow store) or an extraction folder with ledger.jsonl")],
     out: Annotated[Path, typer.Option(help="run folder (checkpoints, metrics.jsonl, result.json); resumes if present")],
-    target: Annotated[str, typer.Option(help="target model folder or 'default' (SmolLM2-135M-Instruct)")] = "default",
-    draft_vocab: Annotated[int | None, typer.Option(help="draft vocabulary (default 8192 CPU, 32000 GPU)")] = None,
-    ttt_steps: Annotated[int, typer.Option(help="TTT unroll length k")] = 7,
-    epochs: Annotated[float, typer.Option(help="passes over the training split")] = 1.0,
-    max_steps: Annotated[int | None, typer.Option(help="optimizer steps (overrides --epochs)")] = None,
-    max_tokens: Annotated[int, typer.Option(help="padded tokens per micro-batch")] = 4096,
-    grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step and process")] = 1,
-    max_seq_len: Annotated[int, typer.Option(help="cut samples to this many tokens")] = 2048,
-    lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-3,
-    warmup_steps: Annotated[int, typer.Option(help="linear warm-up steps")] = 20,
-    precision: Annotated[Precision, typer.Option(help="auto: bf16 where the hardware has it")] = Precision.auto,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    eval_fraction: Annotated[float, typer.Option(help="share of sample ids held out")] = 0.05,
-    eval_max_samples: Annotated[int, typer.Option(help="cap on held-out samples")] = 200,
-    eval_every: Annotated[int, typer.Option(help="evaluate every N steps (0: at the end only)")] = 200,
-    save_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 200,
-    max_minutes: Annotated[float | None, typer.Option(help="time budget; checkpoint and stop (resumable)")] = None,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
-    seed: Annotated[int, typer.Option(help="seed")] = 0,
-    log_every: Annotated[int, typer.Option(help="log every N steps")] = 10,
+    target: Annotated[str, typer.Option(help="target model folder or 'default' (SmolLM2)")] = _d("target"),
+    draft_vocab: Annotated[int | None, typer.Option(help="draft vocabulary (unset: 8192 CPU, 32000 GPU)")] = _d(
+        "draft_vocab_size"),
+    ttt_steps: Annotated[int, typer.Option(help="TTT unroll length k")] = _d("ttt_steps"),
+    epochs: Annotated[float, typer.Option(help="passes over the training split")] = _d("epochs"),
+    max_steps: Annotated[int | None, typer.Option(help="optimizer steps (overrides --epochs)")] = _d("max_steps"),
+    max_tokens: Annotated[int, typer.Option(help="padded tokens per micro-batch")] = _d("max_tokens"),
+    grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step and process")] = _d("grad_accum"),
+    max_seq_len: Annotated[int, typer.Option(help="cut samples to this many tokens")] = _d("max_seq_len"),
+    lr: Annotated[float, typer.Option(help="peak learning rate")] = _d("lr"),
+    warmup_steps: Annotated[int, typer.Option(help="linear warm-up steps")] = _d("warmup_steps"),
+    precision: Annotated[Precision, typer.Option(help="auto: bf16 where the hardware has it")] = Precision(
+        _d("precision")),
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = _d("device"),
+    eval_fraction: Annotated[float, typer.Option(help="share of sample ids held out")] = _d("eval_fraction"),
+    eval_max_samples: Annotated[int, typer.Option(help="cap on held-out samples")] = _d("eval_max_samples"),
+    eval_every: Annotated[int, typer.Option(help="evaluate every N steps (0: at the end only)")] = _d("eval_every"),
+    save_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = _d("save_every"),
+    max_minutes: Annotated[float | None, typer.Option(help="time budget; checkpoint and stop (resumable)")] = _d(
+        "max_minutes"),
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = _d("threads"),
+    seed: Annotated[int, typer.Option(help="seed")] = _d("seed"),
+    log_every: Annotated[int, typer.Option(help="log every N steps")] = _d("log_every"),
     set_: Annotated[list[str] | None, typer.Option("--set", help="any other TrainConfig field: FIELD=VALUE")] = None,
 ) -> None:
     """Train an EAGLE-3 drafter on a store (resumes the run in --out if it has checkpoints)."""
-    from eaglenest.drafter.config import TrainConfig
     from eaglenest.drafter.train import train
 
     rank = int(os.environ.get("RANK", 0))

@@ -163,3 +163,18 @@ def test_time_budget_stops_with_a_resumable_checkpoint(tmp_path, tiny_model_dir,
     res = train(cfg, store=drafter_store, clock=lambda: float(next(ticks)))
     assert res.status == "time_budget" and 0 < res.step < 20
     assert CheckpointManager(cfg.out_dir).load().step == res.step
+
+
+def test_held_out_metrics_are_consistent_and_training_helps(tmp_path, tiny_model_dir, drafter_store):
+    cfg = config(tmp_path, tiny_model_dir, max_steps=12, eval_every=0, eval_fraction=0.2, eval_max_samples=8,
+                 lr=3e-3, grad_accum=1)
+    first = config(tmp_path / "zero", tiny_model_dir, max_steps=1, lr=1e-9, eval_fraction=0.2, eval_max_samples=8)
+    before = train(first, store=drafter_store).eval
+    after = train(cfg, store=drafter_store).eval
+    for ev in (before, after):
+        al = [ev["accept_length"][str(d)] for d in range(1, cfg.ttt_steps + 1)]
+        assert al == sorted(al) and 1.0 <= al[0] <= al[-1] <= 1 + cfg.ttt_steps
+        assert al[0] == pytest.approx(1 + ev["step_acc"][0])  # depth 1 accepts exactly the step-0 hits
+        assert ev["step_acc"][0] <= ev["target_in_vocab"] <= 1.0
+    assert after["step_loss"][0] < before["step_loss"][0]
+    assert after["accept_length"]["3"] > before["accept_length"]["3"]

@@ -55,8 +55,8 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="Seed of initialisation and data order.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of sample ids held out.")
     eval_max_samples: int = Field(200, ge=0, description="Cap on held-out samples (the rest train).")
-    eval_every: int = Field(200, ge=0, description="Evaluate every N steps (0: only at the end).")
-    save_every: int = Field(200, ge=1, description="Checkpoint every N steps (and at the end).")
+    eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
+    save_every: int = Field(100, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=2, description="Complete checkpoints kept (>= 2).")
     max_minutes: float | None = Field(
         None, gt=0.0, description="Time budget: checkpoint and stop (resumable) after this many minutes."

@@ -31,6 +31,8 @@ class EvalResult:
     """Top-1 agreement with the target's argmax per TTT step (out-of-vocabulary targets count as misses)."""
     accept_length: dict[int, float]
     """Simulated accept length (bonus token included) per draft depth 1..k."""
+    target_in_vocab: float = float("nan")
+    """Share of counted step-0 rows whose target argmax is in the draft vocabulary (the ceiling of step_acc[0])."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -96,4 +98,5 @@ def evaluate(
         step_loss=[loss_sum[i] / max(kept[i], 1) for i in range(k)],
         step_acc=[correct[i] / max(counted[i], 1) for i in range(k)],
         accept_length={d: (al_sum[d - 1] / anchors if anchors else float("nan")) for d in range(1, k + 1)},
+        target_in_vocab=kept[0] / max(counted[0], 1),
     )
