@@ -64,7 +64,11 @@ class TrainResult:
     checkpoint: str
     train_tokens: int
     elapsed_s: float
+    """Wall time of this call (a resumed run counts only its own part)."""
     tokens_per_s: float
+    """Training tokens per second of this call's loop."""
+    train_seconds: float = 0.0
+    """Training-loop seconds over all sessions of the run."""
     eval: dict | None = None
     history: list[dict] = field(default_factory=list)
 
@@ -348,7 +352,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
     result = TrainResult(status=status, step=step, total_steps=total, run_dir=str(run_dir),
                          checkpoint=str(path or ckpts.latest()), train_tokens=tokens_done, elapsed_s=elapsed,
                          tokens_per_s=(tokens_done - tokens_at_start) / max(clock() - t_loop, 1e-9),
-                         eval=last_eval, history=history)
+                         train_seconds=seconds_before + clock() - t_loop, eval=last_eval, history=history)
     if d.rank == 0:
         contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
     return result
@@ -359,8 +363,8 @@ def _finished(run_dir: Path, d: Dist, resume, total: int) -> TrainResult:
     seconds = float(st.get("train_seconds", 0.0))
     result = TrainResult(status="done", step=resume.step, total_steps=total, run_dir=str(run_dir),
                          checkpoint=str(resume.path), train_tokens=int(st["train_tokens"]), elapsed_s=seconds,
-                         tokens_per_s=int(st["train_tokens"]) / max(seconds, 1e-9), eval=st.get("last_eval"),
-                         history=st["history"])
+                         tokens_per_s=int(st["train_tokens"]) / max(seconds, 1e-9), train_seconds=seconds,
+                         eval=st.get("last_eval"), history=st["history"])
     if d.rank == 0 and not (run_dir / "result.json").is_file():
         contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
     return result
