@@ -11,12 +11,14 @@ import typer
 
 from eaglenest.cli_extract import app as extract_app
 from eaglenest.cli_store import app as store_app
+from eaglenest.cli_train import app as train_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
 app.add_typer(model_app, name="model")
 app.add_typer(extract_app, name="extract")
 app.add_typer(store_app, name="store")
+app.add_typer(train_app)  # eaglenest train | export
 
 
 class Engine(StrEnum):
