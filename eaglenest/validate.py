@@ -20,6 +20,7 @@ and never stays under its capture name; a missing shard and a provenance mismatc
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import time
@@ -75,6 +76,8 @@ class ValidateConfig:
     """A layer's mean norm more than this factor above/below the batch median is flagged (not rejected)."""
     min_argmax_agreement: float | None = None
     """For regenerated samples: reject below this LM-head argmax agreement (None = report only)."""
+    workers: int = min(8, os.cpu_count() or 1)
+    """Shards read and checked in parallel (numpy, hashlib and file reads release the GIL)."""
 
 
 class InvalidShard(Exception):
@@ -224,6 +227,14 @@ def _wait_for(paths: dict[str, list[Path]], config: ValidateConfig,
         sleep(config.poll_s)
 
 
+def _provenance_error(expect: Expectation, provenance: contract.Provenance) -> InvalidShard | None:
+    """Shards checked in parallel before the run's provenance was pinned are held to it afterwards."""
+    diff = expect.mismatches(provenance)
+    if diff:
+        return InvalidShard("provenance differs from the run's: " + "; ".join(diff), "provenance", requeue=False)
+    return None
+
+
 def validate_batch(
     samples: Sequence[Sample], *, extraction_dir: str | Path, expect: Expectation,
     server_capture_dirs: Sequence[str | Path] = (), config: ValidateConfig | None = None,
@@ -242,33 +253,47 @@ def validate_batch(
     names = {s.sample_id: contract.shard_filename(s.sample_id) for s in samples}
     found = _wait_for({sid: [d / n for d in dirs] for sid, n in names.items()}, config, clock, sleep)
     out = BatchValidation()
-    checked: list[tuple[Sample, Path, bytes, dict]] = []
-    for s in samples:
+
+    def check_one(s: Sample) -> tuple[bytes, contract.Shard, dict, str] | InvalidShard | None:
         path = found[s.sample_id]
         if path is None:
+            return None
+        data = path.read_bytes()
+        try:
+            shard, stats = check_shard(s, data, expect, where=str(path), lm_head=lm_head, config=config)
+        except InvalidShard as e:
+            return e
+        return data, shard, stats, contract.sha256_bytes(data)
+
+    with cf.ThreadPoolExecutor(max(1, min(config.workers, len(samples)))) as pool:
+        results = list(pool.map(check_one, samples))
+    checked: list[tuple[Sample, Path, bytes, dict, str]] = []
+    for s, res in zip(samples, results, strict=True):
+        path = found[s.sample_id]
+        if res is None:
             out.invalid.append(Invalid(s.sample_id, "missing", (
                 f"capture missing: no shard {names[s.sample_id]} in {', '.join(map(str, dirs))} within "
                 f"{config.shard_wait_s:g} s of the answer (is capture enabled on the server and its capture dir "
                 "this extraction's?)"), requeue=False))
             continue
-        data = path.read_bytes()
-        try:
-            shard, stats = check_shard(s, data, expect, where=str(path), lm_head=lm_head, config=config)
-        except InvalidShard as e:
-            q = quarantine(extraction_dir, path, s.sample_id, e.reason, e.kind)
-            out.invalid.append(Invalid(s.sample_id, e.kind, e.reason, e.requeue, q))
-            continue
+        if isinstance(res, InvalidShard) or expect.provenance is not None:
+            err = res if isinstance(res, InvalidShard) else _provenance_error(expect, res[1].provenance)
+            if err is not None:
+                q = quarantine(extraction_dir, path, s.sample_id, err.reason, err.kind)
+                out.invalid.append(Invalid(s.sample_id, err.kind, err.reason, err.requeue, q))
+                continue
+        data, shard, stats, digest = res
         if expect.provenance is None:  # the first valid shard pins the run's full provenance
             expect = expect.pinned(shard.provenance)
             out.pinned = shard.provenance
         if path.parent != capture:
             contract.atomic_write_bytes(capture / path.name, data)
             path.unlink()
-        checked.append((s, capture / path.name, data, stats))
+        checked.append((s, capture / path.name, data, stats, digest))
     out.outliers = _flag_outliers([c[3] for c in checked], config.outlier_factor)
-    for s, path, data, stats in checked:
+    for s, path, data, stats, digest in checked:
         out.entries.append(LedgerEntry(
-            sample_id=s.sample_id, shard=path.name, sha256=contract.sha256_bytes(data), bytes=len(data),
+            sample_id=s.sample_id, shard=path.name, sha256=digest, bytes=len(data),
             num_tokens=s.num_tokens, loss_tokens=s.loss_tokens, loss_spans=s.loss_spans,
             regenerated=s.regenerated, stats=stats,
         ))
