@@ -12,6 +12,7 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
 app.add_typer(model_app, name="model")
+app.add_typer(__import__("eaglenest.cli_bench", fromlist=["app"]).app, name="bench")
 
 
 class Engine(StrEnum):
