@@ -1,0 +1,89 @@
+"""The draft vocabulary: which target tokens the drafter's LM head can propose.
+
+Owns choosing the draft vocabulary from data and its two maps, in SGLang/SpecForge form:
+
+- ``d2t`` int64 [Vd]: ``target_id - draft_id`` for each draft id (SGLang adds ``arange(Vd)`` back:
+  ``hot_token_id = d2t + arange``).
+- ``t2d`` bool [V]: which target ids are in the draft vocabulary (SGLang ignores it; SpecForge and
+  vLLM speculators carry it).
+
+Invariants: the chosen target ids are distinct and sorted ascending (so ``d2t`` is non-decreasing
+and ``d2t >= 0``); the choice is deterministic: the ``size`` most frequent loss-masked tokens, ties
+broken by the smaller id; when the data has fewer distinct tokens, the remaining slots take the
+smallest unused ids (never-seen tokens cost nothing but a row of the head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eaglenest import contract
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVocab:
+    target_ids: torch.Tensor  # [Vd] int64, ascending
+    vocab_size: int
+    coverage: float = float("nan")
+    """Share of the counted loss-masked token occurrences whose token is in the draft vocabulary."""
+
+    @property
+    def size(self) -> int:
+        return int(self.target_ids.numel())
+
+    @property
+    def d2t(self) -> torch.Tensor:  # [Vd] int64
+        return self.target_ids - torch.arange(self.size, dtype=torch.int64)
+
+    @property
+    def t2d(self) -> torch.Tensor:  # [V] bool
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[self.target_ids] = True
+        return mask
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray | torch.Tensor, size: int) -> DraftVocab:
+        """The ``size`` most frequent ids of ``counts`` [V] (ties: smaller id first)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        vocab_size = int(counts.shape[0])
+        if not 0 < size <= vocab_size:
+            raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
+        order = np.argsort(-counts, kind="stable")  # by count desc, id asc
+        chosen = np.sort(order[:size])
+        total = int(counts.sum())
+        coverage = float(counts[chosen].sum() / total) if total else float("nan")
+        return cls(torch.from_numpy(chosen.astype(np.int64)), vocab_size, coverage)
+
+    @classmethod
+    def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
+        ids = d2t.to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
+        if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise contract.ContractError(
+                f"d2t does not describe {d2t.numel()} distinct ascending target ids below {vocab_size}"
+            )
+        return cls(ids, vocab_size)
+
+
+def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> np.ndarray:
+    """Occurrences [V] of each token id where the loss mask is set; ``samples`` yields (ids, mask)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in samples:
+        picked = np.asarray(ids)[np.asarray(mask, dtype=bool)].astype(np.int64)
+        if picked.size:
+            if int(picked.max()) >= vocab_size or int(picked.min()) < 0:
+                raise contract.ContractError(
+                    f"token id {int(picked.max())} outside the target vocabulary ({vocab_size})"
+                )
+            counts += np.bincount(picked, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(
+    samples: Iterable[tuple[torch.Tensor, torch.Tensor]], *, vocab_size: int, size: int
+) -> DraftVocab:
+    """Draft vocabulary from loss-masked token frequencies of (input_ids, loss_mask) pairs."""
+    return DraftVocab.from_counts(count_tokens(samples, vocab_size), size)
