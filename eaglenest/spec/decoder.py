@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from eaglenest.drafter.model import DraftKVCache, Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.spec.draft import DraftKV, Eagle3Draft
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,9 +57,16 @@ class OneDNN:
                 "prefill+verify": OneDNN(decode=False)}
 
 
+@contextlib.contextmanager
 def _phase(enabled: bool):
-    return torch.backends.mkldnn.flags(enabled=enabled) if torch.backends.mkldnn.is_available() else \
-        contextlib.nullcontext()
+    """oneDNN on or off for one phase (torch's flags() warns about TF32 on Intel GPUs: silenced)."""
+    if not torch.backends.mkldnn.is_available():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            yield
 
 
 class Proposer(Protocol):
@@ -76,39 +84,45 @@ class Proposer(Protocol):
 
 
 class Eagle3Proposer:
-    """Drafting with an :class:`Eagle3Draft`: extend over target features, then k-1 own steps."""
+    """Drafting with an :class:`Eagle3Drafter`: extend over target features, then k-1 own steps."""
 
-    def __init__(self, draft: Eagle3Draft, onednn: OneDNN = OneDNN()) -> None:
+    def __init__(self, draft: Eagle3Drafter, onednn: OneDNN = OneDNN()) -> None:
         self.draft, self.onednn = draft, onednn
-        self.cache = DraftKV()
-        self.last_hidden: torch.Tensor | None = None  # [1, H], pre-norm output at the root's predecessor
+        self.cache = DraftKVCache()
+        self.last_hidden: torch.Tensor | None = None  # [1, 1, H], pre-norm output at the root's predecessor
         self.last_logits: torch.Tensor | None = None  # [Vd]
         self.root_pos = 0  # target position of the current root token
 
+    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor):
+        """tokens [1, S], hidden [1, S, H] at the next S positions of the cache."""
+        start = self.cache.length
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).view(1, -1)  # [1, S]
+        return self.draft(tokens, hidden, pos, self.cache)
+
     def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
-        dev = self.draft.d2t.device
+        ids = torch.tensor([list(tokens)], device=self.draft.d2t.device)  # [1, S]
         with _phase(self.onednn.verify if len(tokens) > 1 else self.onednn.decode):
-            h, logits = self.draft.step(torch.as_tensor(list(tokens), device=dev), self.draft.fuse(aux_hidden),
-                                        self.cache)  # [N, H], [N, Vd]
-        self.last_hidden, self.last_logits = h[-1:], logits[-1]
+            out = self._forward(ids, self.draft.project(aux_hidden[None].to(self.draft.fc.weight.dtype)))
+        self.last_hidden, self.last_logits = out.hidden[:, -1:], out.logits[0, -1]
 
     def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
-        # position i reads (token i + 1, aux_i): the draft predicts the token after next
+        # position i reads (token i + 1, aux_i): the drafter predicts the token after next
         self._extend([*list(prompt_ids)[1:], root], aux_hidden)
         self.root_pos = len(prompt_ids)
 
     def propose(self, k: int) -> list[int]:
-        d = self.draft.to_target(torch.argmax(self.last_logits).view(1))  # [1]
+        d = self.draft.to_target_ids(torch.argmax(self.last_logits)).view(1, 1)  # [1, 1]
         drafts, h = [int(d)], self.last_hidden
         with _phase(self.onednn.decode):
             for _ in range(k - 1):
-                h, logits = self.draft.step(d, h, self.cache)  # [1, H], [1, Vd]
-                d = self.draft.to_target(torch.argmax(logits[0]).view(1))
+                out = self._forward(d, h)
+                h = out.hidden  # [1, 1, H]
+                d = self.draft.to_target_ids(torch.argmax(out.logits[0, -1])).view(1, 1)
                 drafts.append(int(d))
         return drafts
 
     def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
-        self.cache.crop(self.root_pos)  # forget the draft's own steps; rebuild from target features
+        self.cache.truncate(self.root_pos)  # forget the drafter's own steps; rebuild from target features
         self._extend(tokens, aux_hidden)
         self.root_pos += len(tokens)
 
@@ -199,12 +213,12 @@ class SpecDecoder:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
 
     @classmethod
-    def eagle3(cls, runner: TargetRunner, draft: Eagle3Draft, *, num_steps: int = 3,
+    def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, num_steps: int = 3,
                onednn: OneDNN = OneDNN()) -> SpecDecoder:
-        if tuple(runner.aux_layer_ids) != draft.aux_layer_ids:
+        if tuple(runner.aux_layer_ids) != draft.config.aux_layer_ids:
             from eaglenest.spec.draft import DraftLoadError
 
-            raise DraftLoadError(f"draft reads aux layers {list(draft.aux_layer_ids)}, target captures "
+            raise DraftLoadError(f"drafter reads aux layers {list(draft.config.aux_layer_ids)}, target captures "
                                  f"{list(runner.aux_layer_ids)}")
         return cls(runner, lambda: Eagle3Proposer(draft, onednn), num_steps, onednn)
 

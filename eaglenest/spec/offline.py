@@ -8,7 +8,7 @@ final_hidden [T, H_t] captured by the serving engine) and every start position t
   positions 0..t built from target features, exactly the state the live decoder is in when x[t+1]
   is the root; steps j >= 2 read (embed(d[j-1]), the draft's own hidden) at position t+j-1 and
   attend to those keys plus the chain's own earlier keys. All starts run in parallel (one batched
-  forward per step with a per-chain mask), sharing :class:`~eaglenest.spec.draft.Eagle3Draft`'s ops.
+  forward per step with a per-chain mask), sharing ``eaglenest.drafter.model.Eagle3Drafter``'s modules.
 - draft j is accepted while d[j] == g[t+j]. The target context behind label g[t+j+1] is the DATA
   token x[t+j+1]; the live target would see d[j] there. Where they differ the chain is censored
   (not evaluable further). Accept length is estimated like a survival curve:
@@ -31,7 +31,8 @@ from typing import Any, Protocol
 
 import torch
 
-from eaglenest.spec.draft import Eagle3Draft, target_embedding, target_lm_head
+from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
+from eaglenest.spec.draft import load_exported_drafter, target_embedding, target_lm_head
 
 
 class SampleLike(Protocol):
@@ -53,31 +54,45 @@ def is_heldout(sample_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def chain_drafts(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_steps: int,
+def _step_inputs(draft: Eagle3Drafter, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+    """ids [1, M], hidden [1, M, H], positions [1, M] -> q [1,nh,M,d], k/v [1,nkv,M,d] (RoPE applied)."""
+    layer, c = draft.midlayer, draft.config
+    x = layer.attn_input(draft.embed(ids), hidden)  # [1, M, 2H]
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    return layer.self_attn.qkv(x, cos, sin)
+
+
+def _step_output(draft: Eagle3Drafter, attn: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn [1, nh, M, d], residual hidden [1, M, H] -> (pre-norm out [1, M, H], target-id drafts [M])."""
+    out = draft.midlayer.finish(draft.midlayer.self_attn.out(attn), hidden)
+    return out, draft.to_target_ids(draft.head(out)[0].argmax(-1))
+
+
+def chain_drafts(draft: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_steps: int,
                  *, row_chunk: int = 256) -> torch.Tensor:
     """Drafts of the chain started at every position: [T-1, num_steps] target ids (row t = start t)."""
     dev, dtype = draft.d2t.device, draft.fc.weight.dtype
     x = input_ids.to(dev).long()  # [T]
     m = x.shape[0] - 1
-    pos = torch.arange(m, device=dev)
-    q, k1, v1, res = draft.project(x[1:], draft.fuse(aux_hidden[:m].to(dev, dtype)), pos)  # keys from features
+    pos = torch.arange(m, device=dev).view(1, m)  # [1, M]
+    hidden = draft.project(aux_hidden[:m].to(dev, dtype)[None])  # [1, M, H] from target features
+    q, k1, v1 = _step_inputs(draft, x[1:].view(1, m), hidden, pos)
+    rep = draft.config.num_attention_heads // draft.config.num_key_value_heads
+    k1e, v1e = repeat_kv(k1, rep), repeat_kv(v1, rep)  # [1, nh, M, d]
     causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()  # [M, M]
-    h, logits = draft.finish(draft.attend(q, k1, v1, causal), res)  # [M, H], [M, Vd]
-    d = draft.to_target(logits.argmax(-1))  # [M]
+    hidden, d = _step_output(draft, torch.nn.functional.scaled_dot_product_attention(q, k1e, v1e, attn_mask=causal),
+                             hidden)
     out, own_k, own_v = [d], [], []
-    rep = draft.num_heads // draft.num_kv_heads
-    k1e, v1e = k1.repeat_interleave(rep, dim=1), v1.repeat_interleave(rep, dim=1)  # [1, nh, M, d]
     for j in range(2, num_steps + 1):
-        q, kj, vj, res = draft.project(d, h, pos + j - 1)
-        own_k.append(kj.repeat_interleave(rep, dim=1))
-        own_v.append(vj.repeat_interleave(rep, dim=1))
+        q, kj, vj = _step_inputs(draft, d.view(1, m), hidden, pos + j - 1)
+        own_k.append(repeat_kv(kj, rep))
+        own_v.append(repeat_kv(vj, rep))
         attn = torch.empty_like(q)  # [1, nh, M, d]
         for r0 in range(0, m, row_chunk):
             rows = slice(r0, min(m, r0 + row_chunk))
             attn[:, :, rows] = _chain_attention(q[:, :, rows], k1e, v1e, [kk[:, :, rows] for kk in own_k],
                                                 [vv[:, :, rows] for vv in own_v], causal[rows])
-        h, logits = draft.finish(attn, res)
-        d = draft.to_target(logits.argmax(-1))
+        hidden, d = _step_output(draft, attn, hidden)
         out.append(d)
     return torch.stack(out, dim=1)  # [M, k]
 
@@ -106,7 +121,7 @@ class SampleChains:
     loss_tokens: int
 
 
-def score_sample(draft: Eagle3Draft, lm_head: torch.Tensor, sample: SampleLike, num_steps: int) -> SampleChains:
+def score_sample(draft: Eagle3Drafter, lm_head: torch.Tensor, sample: SampleLike, num_steps: int) -> SampleChains:
     x = sample.input_ids.long()  # [T]
     t_len = x.shape[0]
     mask = sample.loss_mask.bool()  # [T]
@@ -171,15 +186,15 @@ def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequen
 
 
 def load_offline_draft(model_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32"
-                       ) -> tuple[Eagle3Draft, torch.Tensor]:
+                       ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """The draft (with the target's embedding) and the target's LM head [V, H], without the target model."""
     dt = getattr(torch, dtype)
-    draft = Eagle3Draft.from_folder(draft_dir, embed_weight=target_embedding(model_dir).to(dt), dtype=dt)
+    draft = load_exported_drafter(draft_dir, embed_weight=target_embedding(model_dir).to(dt), dtype=dt)
     return draft, target_lm_head(model_dir).to(dt)
 
 
 def offline_accept_length(
-    store: StoreLike, draft: Eagle3Draft, lm_head: torch.Tensor, *, num_steps: int = 3,
+    store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tensor, *, num_steps: int = 3,
     heldout_fraction: float = 0.05, sample_ids: Sequence[str] | None = None, max_samples: int | None = None,
     aux_layer_ids: Sequence[int] | None = None,
 ) -> OfflineResult:
@@ -187,9 +202,9 @@ def offline_accept_length(
 
     ``aux_layer_ids`` (the store's, if known) must equal the draft's; a mismatch is refused.
     """
-    if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.aux_layer_ids:
-        raise ValueError(f"store captured aux layers {list(aux_layer_ids)}, the draft reads "
-                         f"{list(draft.aux_layer_ids)}: simulate on a store captured for this draft")
+    if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
+        raise ValueError(f"store captured aux layers {list(aux_layer_ids)}, the drafter reads "
+                         f"{list(draft.config.aux_layer_ids)}: simulate on a store captured for this draft")
     wanted = set(sample_ids) if sample_ids is not None else None
     chains, used = [], []
     for i in range(len(store)):

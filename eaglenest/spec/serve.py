@@ -100,10 +100,10 @@ class PlainGreedy:
 def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, num_steps: int = 3,
                       onednn: OneDNN = OneDNN()) -> SpecDecoder:
     """An EAGLE-3 decoder over ``runner`` with the exported draft in ``draft_dir`` (target's embedding)."""
-    from eaglenest.spec.draft import Eagle3Draft
+    from eaglenest.spec.draft import load_exported_drafter
 
-    draft = Eagle3Draft.from_folder(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
-                                    dtype=runner.model.dtype, target_aux_layer_ids=runner.aux_layer_ids)
+    draft = load_exported_drafter(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
+                                  dtype=runner.model.dtype, target_aux_layer_ids=runner.aux_layer_ids)
     return SpecDecoder.eagle3(runner, draft, num_steps=num_steps, onednn=onednn)
 
 
