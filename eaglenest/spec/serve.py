@@ -131,8 +131,11 @@ def _policy(name: str) -> OneDNN:
 
 
 def bench_serve_command(*, model: str | Path, port: int, host: str = "127.0.0.1", draft: str | Path | None = None,
-                        spec: SpecConfig = SpecConfig(), dtype: str = "auto", onednn: str = "onednn") -> list[str]:
+                        spec: SpecConfig = SpecConfig(), dtype: str = "auto", onednn: str = "onednn",
+                        threads: int | None = None) -> list[str]:
     """``python -m eaglenest bench serve ...``: the embedded benchmark server in a fresh process."""
     cmd = [sys.executable, "-m", "eaglenest", "bench", "serve", "--model", str(model), "--host", host,
            "--port", str(port), "--dtype", dtype, "--onednn", onednn]
+    if threads:
+        cmd += ["--threads", str(threads)]
     return cmd + (spec.sglang_args(draft) if draft else [])
