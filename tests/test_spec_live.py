@@ -141,7 +141,7 @@ def test_gate_passes_fails_and_refuses_to_judge():
     g = gate(r, target_concurrency=64)
     assert not g.passed and g.speedup == pytest.approx(0.66)
     assert "0.66x" in g.message and "concurrency 64" in g.message and "do NOT deploy" in g.message
-    with pytest.raises(GateFailed, match="threshold 1.20x"):
+    with pytest.raises(GateFailed, match=r"threshold 1\.20x"):
         require_gate(r, target_concurrency=16, min_speedup=1.2)
     assert "not measured" in gate(r, target_concurrency=4).message
     bad = report([level(1, 100, errors=2)], [level(1, 300, 3.0)])
