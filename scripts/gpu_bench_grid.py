@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 from eaglenest.engines.launcher import LaunchError, ServerProcess
 from eaglenest.spec.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.spec.live import ServerResult, bench_server
+from eaglenest.spec.live import ServerResult, bench_server, end_recorded_servers
 from eaglenest.spec.report import gate, markdown_table, write_report
 
 
@@ -93,6 +93,8 @@ def main() -> int:
         except LaunchError as e:
             print(f"{name} failed to launch: {e}", flush=True)
             return 1
+        finally:
+            end_recorded_servers(out / "servers.jsonl")  # bench_server stopped it; this clears the record
         (out / f"server_{name}.json").write_text(json.dumps(results[name].to_json(), indent=1))
         print(f"{name}: started in {results[name].startup_s:.0f} s; server accept length "
               f"{results[name].server_accept_length}", flush=True)
