@@ -47,6 +47,45 @@ def prefect_api():
 
 
 @pytest.fixture(scope="session")
+def drafter_store(tiny_runner):
+    """In-memory store (the store API) of 40 real captures of the tiny target: a chat prompt plus the
+    target's own greedy answer (one batched generate), loss mask on the answer tokens."""
+    import random
+
+    import torch
+
+    from eaglenest.drafter.fallback_store import MemoryStore, StoreSample
+
+    rng = random.Random(0)
+    tok = tiny_runner.tokenizer
+    from pathlib import Path
+
+    lines = [ln.strip() for ln in Path(os.__file__).read_text().splitlines() if len(ln.strip()) > 20]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": " ".join(rng.sample(lines, rng.randint(1, 3)))}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for _ in range(40)]
+    width, new = max(map(len, prompts)), 40
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + list(p) for p in prompts])  # left padding
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is many times faster on a busy 2-core machine
+    try:
+        with torch.no_grad():
+            out = tiny_runner.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new,
+                                             do_sample=False, min_new_tokens=new, pad_token_id=tok.pad_token_id)
+        full = [list(p) + out[r, width : width + rng.randint(12, new)].tolist() for r, p in enumerate(prompts)]
+        caps = tiny_runner.capture(full)
+    finally:
+        torch.set_num_threads(threads)
+    samples = []
+    for i, (p, seq, cap) in enumerate(zip(prompts, full, caps, strict=True)):
+        mask = torch.tensor([0] * len(p) + [1] * (len(seq) - len(p)), dtype=torch.bool)
+        samples.append(StoreSample(f"tiny-{i:03d}", torch.tensor(seq, dtype=torch.int32), mask,
+                                   cap.aux_hidden, cap.final_hidden))
+    return MemoryStore(samples, tiny_runner.provenance())
+
+
+@pytest.fixture(scope="session")
 def spec_tiny(tiny_model_dir, tiny_runner, tmp_path_factory):
     """(runner fp32, untrained drafter dir, fitted drafter dir, greedy sequences (prompt + 40 new), prompt lens)."""
     from spec_support import fit_drafter, greedy_sequences, one_thread, random_prompts

@@ -1,0 +1,76 @@
+"""Training configuration: one pydantic model, validated when built, saved in every checkpoint.
+
+Owns the knobs of ``eaglenest train`` (CLI), the ``train`` Prefect flow (the same model is its
+parameter form) and :func:`eaglenest.drafter.train.train`. Invariants: impossible combinations are
+refused at construction naming the field; fields in :data:`RESUME_MUTABLE` may change between an
+interrupted run and its resume (they do not change what is computed), every other difference is
+refused on resume (naming the field).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RESUME_MUTABLE = frozenset({
+    "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
+    "threads", "device",
+})
+"""Locations (content is checked separately: store fingerprint, target model hash) and pacing."""
+
+
+class TrainConfig(BaseModel):
+    """EAGLE-3 drafter training from a store of engine-captured hidden states."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store: str = Field(description="Store URL (Arrow store), or an extraction folder with ledger.jsonl.")
+    out_dir: str = Field(description="Run folder: checkpoints/, metrics.jsonl, result.json.")
+    target: str = Field("default", description="Target model folder, or 'default' (SmolLM2-135M-Instruct).")
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="Draft vocabulary size; default min(32000, V) on GPU, min(16384, V) on CPU."
+    )
+    ttt_steps: int = Field(7, ge=1, le=16, description="TTT unroll length k.")
+    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of TTT step i is step_decay**i.")
+    epochs: float = Field(1.0, gt=0.0, description="Passes over the training split (sets the schedule length).")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    max_tokens: int = Field(4096, ge=16, description="Padded tokens per micro-batch (rows x longest row).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step and process.")
+    max_seq_len: int = Field(2048, ge=8, description="Longer samples are cut to their first max_seq_len tokens.")
+    lr: float = Field(5e-4, gt=0.0, le=1.0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(0.5, gt=0.0, description="Global gradient-norm clip.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 autocast on GPUs and CPUs with native bf16, else fp32."
+    )
+    device: str = Field("auto", description="auto | cpu | cuda (torchrun: cuda:<local rank>).")
+    init: Literal["target", "random"] = Field(
+        "target", description="target: LM head/norm from the target, fc reads the deepest aux layer."
+    )
+    seed: int = Field(0, description="Seed of initialisation and data order.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of sample ids held out.")
+    eval_max_samples: int = Field(200, ge=0, description="Cap on held-out samples (the rest train).")
+    eval_every: int = Field(200, ge=0, description="Evaluate every N steps (0: only at the end).")
+    save_every: int = Field(200, ge=1, description="Checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=2, description="Complete checkpoints kept (>= 2).")
+    max_minutes: float | None = Field(
+        None, gt=0.0, description="Time budget: checkpoint and stop (resumable) after this many minutes."
+    )
+    log_every: int = Field(10, ge=1, description="Log a line every N steps.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.max_seq_len > self.max_tokens:
+            raise ValueError(f"max_seq_len ({self.max_seq_len}) must be <= max_tokens ({self.max_tokens}): "
+                             "a micro-batch must hold at least one full sample")
+        if self.eval_fraction > 0 and self.eval_max_samples == 0:
+            raise ValueError("eval_fraction > 0 needs eval_max_samples > 0 (or set eval_fraction=0)")
+        return self
+
+    def drift_view(self) -> dict:
+        """The fields compared on resume."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,99 @@
+"""Held-out evaluation of a drafter: per-step loss and accuracy, simulated accept length.
+
+Owns :func:`evaluate` (teacher-forced TTT over store samples, no gradients) and :class:`EvalResult`.
+Definitions are those of :mod:`eaglenest.drafter.ttt`: accuracy of step i compares the draft's top
+token with the target's full-vocabulary argmax at the same row; the simulated accept length at depth
+d counts the bonus token (1 + leading matches, at most d + 1). SGLang's ``--speculative-num-steps 3``
+corresponds to depth 3 (``--speculative-num-draft-tokens 4`` counts the root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from eaglenest.drafter.data import collate
+from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.drafter.ttt import accept_lengths, target_rows, ttt_forward
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    samples: int
+    tokens: int
+    anchors: int
+    step_loss: list[float]
+    """Mean KL(target || draft) per TTT step over counted in-vocabulary rows."""
+    step_acc: list[float]
+    """Top-1 agreement with the target's argmax per TTT step (out-of-vocabulary targets count as misses)."""
+    accept_length: dict[int, float]
+    """Simulated accept length (bonus token included) per draft depth 1..k."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["accept_length"] = {str(k): v for k, v in self.accept_length.items()}
+        return d
+
+
+def eval_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Positions into ``lengths`` packed by length under a padded-token budget (deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+@torch.no_grad()
+def evaluate(
+    model: Eagle3Drafter,
+    store,
+    indices: Sequence[int],
+    *,
+    head_full: torch.Tensor,
+    k: int,
+    max_tokens: int = 4096,
+    max_seq_len: int = 2048,
+    dtype: torch.dtype = torch.float32,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> EvalResult:
+    """Teacher-forced TTT metrics of ``model`` over store samples ``indices`` (the held-out split)."""
+    was_training = model.training
+    model.eval()
+    device = model.fc.weight.device
+    lengths = [min(int(store.num_tokens[i]), max_seq_len) for i in indices]
+    loss_sum, kept, correct, counted = [0.0] * k, [0] * k, [0] * k, [0] * k
+    al_sum, anchors, tokens = [0.0] * k, 0, 0
+    draft_ids = model.to_target_ids(torch.arange(model.config.draft_vocab_size, device=device))
+    try:
+        for group in eval_batches(lengths, max_tokens):
+            idx = [indices[g] for g in group]
+            batch = collate([store[i] for i in idx], idx, max_seq_len=max_seq_len, dtype=dtype).to(device)
+            tokens += batch.num_tokens
+            with autocast or contextlib.nullcontext():
+                rows = target_rows(batch, head_full, draft_ids, model.t2d)
+                results = ttt_forward(model, batch, rows, k)
+            for i, res in enumerate(results):
+                row = rows.row_of[:, 1 + i :]
+                kept[i] += int(rows.in_vocab[row[row >= 0]].sum())
+                loss_sum[i] += float(res.loss_sum)
+                correct[i] += res.correct
+                counted[i] += res.counted
+            for d in range(1, k + 1):
+                al_sum[d - 1] += accept_lengths(results, rows, d)[0]
+            anchors += accept_lengths(results, rows, 1)[1]
+    finally:
+        model.train(was_training)
+    return EvalResult(
+        samples=len(indices), tokens=tokens, anchors=anchors,
+        step_loss=[loss_sum[i] / max(kept[i], 1) for i in range(k)],
+        step_acc=[correct[i] / max(counted[i], 1) for i in range(k)],
+        accept_length={d: (al_sum[d - 1] / anchors if anchors else float("nan")) for d in range(1, k + 1)},
+    )

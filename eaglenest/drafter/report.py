@@ -1,0 +1,84 @@
+"""Training report: the loss curve PNG and a summary table from a run folder's metrics.jsonl.
+
+Owns reading ``metrics.jsonl`` (append-only; after a resume, re-done steps are appended again and the
+LAST record of each (kind, step) wins, which is exactly the resumed run's history) and plotting it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglenest import contract
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
+    """{"train": [...], "eval": [...]} sorted by step, last record per step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    latest: dict[tuple[str, int], dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line
+                continue
+            if rec.get("kind") in ("train", "eval"):
+                latest[(rec["kind"], int(rec["step"]))] = rec
+    out: dict[str, list[dict]] = {"train": [], "eval": []}
+    for (kind, _), rec in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        out[kind].append(rec)
+    return out
+
+
+def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
+    """Loss (and LR) per step with held-out accept length at each eval; written atomically."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = read_metrics(run_dir)
+    png = Path(png) if png else Path(run_dir) / "loss_curve.png"
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if m["train"]:
+        steps = [r["step"] for r in m["train"]]
+        ax.plot(steps, [r["loss"] for r in m["train"]], lw=1, label="TTT loss (weighted KL)")
+        ax.set_yscale("log")
+        lr_ax = ax.twinx()
+        lr_ax.plot(steps, [r["lr"] for r in m["train"]], color="grey", lw=0.8, ls="--", label="lr")
+        lr_ax.set_ylabel("learning rate")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.legend(loc="upper right")
+    if m["eval"]:
+        evs = m["eval"]
+        depths = sorted(int(d) for d in evs[-1]["accept_length"])
+        for d in (1, 3, depths[-1]) if len(depths) >= 3 else depths:
+            values = [e["accept_length"][str(d)] for e in evs]
+            ax2.plot([e["step"] for e in evs], values, marker="o", label=f"depth {d}")
+        ax2.legend(loc="lower right")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("simulated accept length (bonus incl.)")
+    ax2.set_title("held-out accept length")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    contract.atomic_write_bytes(png, buf.getvalue())
+    return png
+
+
+def summary_rows(result: dict) -> list[dict]:
+    """Rows for a table artifact: status, steps, tokens, speed and the last held-out metrics."""
+    ev = result.get("eval") or {}
+    rows = [{"metric": k, "value": result.get(k)} for k in ("status", "step", "total_steps", "train_tokens",
+                                                             "elapsed_s", "tokens_per_s")]
+    for d, v in (ev.get("accept_length") or {}).items():
+        rows.append({"metric": f"held-out accept length @ depth {d}", "value": round(v, 4)})
+    for i, a in enumerate(ev.get("step_acc") or []):
+        rows.append({"metric": f"held-out step-{i} accuracy", "value": round(a, 4)})
+    return rows

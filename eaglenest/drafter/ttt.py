@@ -1,0 +1,181 @@
+"""Training-time test (TTT): the k-step unrolled EAGLE-3 objective and its metrics.
+
+Owns the math that turns one padded batch of captured samples into per-step losses, accuracies and
+simulated accept lengths. Convention (the same as :mod:`eaglenest.drafter.model`, i.e. SGLang's
+inference): for anchor ``t`` and TTT step ``i`` (0-based)
+
+- the drafter reads token ``x[t+1+i]`` (ground truth, teacher-forced) at position ``t + i``; its
+  hidden input is ``fc(aux[t])`` at step 0 and its own pre-norm output of step ``i-1`` after that;
+- its attention sees the step-0 keys of positions ``<= t`` plus its own keys of steps ``1..i`` at
+  anchor ``t`` (exactly the draft KV cache of a chain anchored at ``t`` in SGLang);
+- the target is the target model's distribution at row ``j = t+1+i`` (``final_hidden[j]`` through the
+  target LM head, restricted to the draft vocabulary and renormalised): the prediction of ``x[j+1]``;
+- the row counts only if ``loss_mask[j]`` (the target row is an assistant token: the drafter is
+  trained where the target itself generates) and ``j`` is inside the sample.
+
+Loss of step i = sum over counted rows of KL(p_target || q_draft), rows whose target argmax lies
+outside the draft vocabulary excluded (SpecForge's position mask); the caller divides by the
+global number of counted rows (``step_counts``) and weighs step i by ``decay ** i``.
+Accuracy of step i: draft argmax (mapped to target ids) == target argmax over the FULL vocabulary.
+Simulated accept length at depth d: 1 + the number of leading steps that match, averaged over
+anchors whose step-0 row counts (bonus token included; exact for data the target generated greedily,
+teacher-forced otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Right-padded micro-batch (padding rows are never counted)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool (False on padding)
+    aux_hidden: torch.Tensor  # [B, T, k*Ht]
+    final_hidden: torch.Tensor  # [B, T, H]
+    lengths: torch.Tensor  # [B] int64
+    indices: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.aux_hidden.to(device),
+                     self.final_hidden.to(device), self.lengths.to(device), self.indices)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetRows:
+    """Target-side tables for the rows that carry loss (row = a position j with loss_mask[j])."""
+
+    row_of: torch.Tensor  # [B, T] int64, -1 where no row
+    logp: torch.Tensor  # [M, Vd] fp32 log-softmax over the draft vocabulary
+    argmax: torch.Tensor  # [M] int64 target id of the full-vocabulary argmax
+    in_vocab: torch.Tensor  # [M] bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss_sum: torch.Tensor  # [] differentiable sum of KL over counted in-vocab rows
+    correct: int
+    counted: int
+    match: torch.Tensor  # [B, T] bool at anchors (False where not counted)
+
+
+def step_counts(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[k] number of counted rows per TTT step: loss rows j with j >= 1 + i."""
+    col = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    return torch.stack([(loss_mask & (col >= 1 + i)).sum() for i in range(k)]).to(torch.float64)
+
+
+@torch.no_grad()
+def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                *, chunk: int = 2048) -> TargetRows:
+    """Target log-probs over the draft vocabulary and full argmax at every loss row."""
+    mask = batch.loss_mask.clone()
+    mask[:, 0] = False  # row 0 is never the target of an anchor
+    row_of = torch.full(mask.shape, -1, dtype=torch.int64, device=mask.device)
+    n = int(mask.sum())
+    row_of[mask] = torch.arange(n, device=mask.device)
+    rows = batch.final_hidden[mask].to(head_full.dtype)  # [M, H]
+    logps, argmaxes = [], []
+    head_draft = head_full[draft_ids]  # [Vd, H]
+    for s in range(0, n, chunk):
+        h = rows[s : s + chunk]
+        argmaxes.append((h @ head_full.T).argmax(-1))  # [m]
+        logps.append(F.log_softmax((h @ head_draft.T).float(), dim=-1))  # [m, Vd]
+    vd = draft_ids.numel()
+    logp = torch.cat(logps) if logps else torch.zeros(0, vd, device=mask.device)
+    argmax = torch.cat(argmaxes) if argmaxes else torch.zeros(0, dtype=torch.int64, device=mask.device)
+    return TargetRows(row_of=row_of, logp=logp, argmax=argmax, in_vocab=t2d[argmax])
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + n] (tail filled)."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, ks: list[torch.Tensor],
+                  vs: list[torch.Tensor]) -> torch.Tensor:
+    """Query of step i at anchor t over step-0 keys (causal) and its own chain keys of steps 1..i.
+
+    q, k0, v0, ks[j], vs[j]: [B, nh, T, hd] (kv already repeated to nh heads) -> [B, nh, T, hd].
+    """
+    t = q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    sd = torch.stack([(q * kj).sum(-1) for kj in ks], dim=-1) * scale  # [B, nh, T, i]
+    p = torch.softmax(torch.cat((s0, sd), dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :t] @ v0  # [B, nh, T, hd]
+    return out + (p[..., t:, None] * torch.stack(vs, dim=-2)).sum(-2)
+
+
+def unroll(model: Eagle3Drafter, batch: Batch, k: int):
+    """Yield the drafter's pre-norm output [B, T, H] of each TTT step (anchor t in column t)."""
+    cfg = model.config
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
+    b, t = batch.input_ids.shape
+    hidden = model.project(batch.aux_hidden)  # [B, T, H]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i in range(k):
+        ids = shift_left(batch.input_ids, 1 + i)  # [B, T] token x[t+1+i]
+        pos = (torch.arange(t, device=hidden.device) + i).expand(b, t)
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        q, key, val = attn.qkv(layer.attn_input(model.embed(ids), hidden), cos, sin)
+        key, val = repeat_kv(key, n_rep), repeat_kv(val, n_rep)
+        if i == 0:
+            a = F.scaled_dot_product_attention(q, key, val, is_causal=True)
+        else:
+            a = ttt_attention(q, keys[0], values[0], [*keys[1:], key], [*values[1:], val])
+        keys.append(key)
+        values.append(val)
+        hidden = layer.finish(attn.out(a), hidden)  # [B, T, H] fed back to the next step
+        yield hidden
+
+
+def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) -> list[StepResult]:
+    """Unroll k TTT steps over a batch; returns one StepResult per step (losses keep their graph)."""
+    return [_step_loss(model, out, rows, i) for i, out in enumerate(unroll(model, batch, k))]
+
+
+def _step_loss(model: Eagle3Drafter, out: torch.Tensor, rows: TargetRows, i: int) -> StepResult:
+    row = shift_left(rows.row_of, 1 + i, fill=-1)  # [B, T] target row of anchor t at step i
+    anchors = row >= 0
+    r = row[anchors]  # [N]
+    logq = F.log_softmax(model.head(out[anchors]).float(), dim=-1)  # [N, Vd]
+    logp = rows.logp[r]
+    keep = rows.in_vocab[r]
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [N]
+    loss_sum = (kl * keep).sum()
+    with torch.no_grad():
+        hit = model.to_target_ids(logq.argmax(-1)) == rows.argmax[r]  # [N]
+        match = torch.zeros_like(anchors)
+        match[anchors] = hit
+    return StepResult(loss_sum=loss_sum, correct=int(hit.sum()), counted=int(r.numel()), match=match)
+
+
+def accept_lengths(results: list[StepResult], rows: TargetRows, depth: int) -> tuple[float, int]:
+    """(sum of simulated accept lengths, number of anchors) at draft depth ``depth`` (bonus included)."""
+    anchors = shift_left(rows.row_of, 1, fill=-1) >= 0  # [B, T]
+    run = torch.ones_like(anchors)
+    accepted = torch.zeros(anchors.shape, dtype=torch.int64, device=anchors.device)
+    for res in results[:depth]:
+        run = run & res.match
+        accepted += run
+    n = int(anchors.sum())
+    return float((1 + accepted[anchors]).sum()), n

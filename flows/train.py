@@ -1,0 +1,34 @@
+"""Flow: train a drafter on a store, report it, export it for SGLang and vLLM (composition only)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow
+from pydantic import BaseModel, Field
+
+from eaglenest.drafter.config import TrainConfig
+from tasks.train import export_task, train_drafter, training_report
+
+
+class TrainFlowParams(BaseModel):
+    """Parameters of the train flow (rendered as a form in the Prefect UI)."""
+
+    train: TrainConfig = Field(description="Training configuration (store, target, schedule, budget).")
+    export_formats: list[Literal["sglang", "speculators"]] = Field(
+        default_factory=lambda: ["sglang", "speculators"],
+        description="sglang: --speculative-algorithm EAGLE3 folder; speculators: vLLM's layout.")
+    export_dir: str | None = Field(None, description="Where exports go (default <out_dir>/export/<format>).")
+    export_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Exported weight dtype.")
+    speculative_tokens: int = Field(3, ge=1, le=16, description="Draft length written into the speculators config.")
+
+
+@flow(name="train", log_prints=True)
+def train_flow(params: TrainFlowParams) -> dict:
+    """Store -> trained drafter (resumable) -> loss curve + table artifacts -> engine exports."""
+    result = train_drafter(params.train)
+    png = training_report(params.train.out_dir, result)
+    base = params.export_dir or f"{params.train.out_dir}/export"
+    exports = {fmt: export_task(params.train.out_dir, f"{base}/{fmt}", fmt, params.export_dtype,
+                                params.speculative_tokens) for fmt in params.export_formats}
+    return {"result": result, "loss_curve": png, "exports": exports}

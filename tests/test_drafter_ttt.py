@@ -1,0 +1,70 @@
+"""TTT objective: the unrolled training forward is the SGLang chain draft, and its metrics are right."""
+
+from __future__ import annotations
+
+import torch
+from test_drafter_model import tiny_drafter
+
+from eaglenest.drafter.model import DraftKVCache
+from eaglenest.drafter.ttt import Batch, StepResult, TargetRows, accept_lengths, step_counts, target_rows, unroll
+
+
+def make_batch(model, lengths, seed=0) -> Batch:
+    torch.manual_seed(seed)
+    cfg = model.config
+    b, t = len(lengths), max(lengths)
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, 3:n] = True
+    return Batch(ids, mask, torch.randn(b, t, cfg.num_aux * cfg.target_hidden_size), torch.randn(b, t, cfg.hidden_size),
+                 torch.tensor(lengths), tuple(range(b)))
+
+
+def test_unroll_equals_kv_cached_chain_at_every_anchor():
+    model = tiny_drafter(seed=5).eval()
+    batch = make_batch(model, [14, 9])  # right padding in row 1
+    k = 4
+    with torch.no_grad():
+        steps = list(unroll(model, batch, k))
+    for row, n in ((0, 14), (1, 9)):
+        for anchor in range(n - k - 1):
+            ids, aux = batch.input_ids[row : row + 1], batch.aux_hidden[row : row + 1]
+            cache = DraftKVCache()
+            with torch.no_grad():  # extend over positions 0..anchor: token x[p+1] with aux[p]
+                out = model.extend(ids[:, 1 : anchor + 2], aux[:, : anchor + 1], torch.arange(anchor + 1)[None], cache)
+                torch.testing.assert_close(out.hidden[0, -1], steps[0][row, anchor], rtol=1e-5, atol=1e-5)
+                h = out.hidden[:, -1:]
+                for i in range(1, k):  # teacher-forced chain step i: token x[anchor+1+i], position anchor+i
+                    tok = ids[:, anchor + 1 + i : anchor + 2 + i]
+                    out = model(tok, h, torch.tensor([[anchor + i]]), cache)
+                    torch.testing.assert_close(out.hidden[0, -1], steps[i][row, anchor], rtol=1e-5, atol=1e-5)
+                    h = out.hidden
+
+
+def test_step_counts_and_target_rows():
+    model = tiny_drafter(seed=1)
+    batch = make_batch(model, [10, 6])
+    # loss rows: row0 3..9 (7), row1 3..5 (3); step i counts rows j >= 1+i
+    assert step_counts(batch.loss_mask, 4).tolist() == [10, 10, 10, 8]
+    head = torch.randn(model.config.vocab_size, model.config.hidden_size)
+    draft_ids = model.to_target_ids(torch.arange(model.config.draft_vocab_size))
+    rows = target_rows(batch, head, draft_ids, model.t2d)
+    assert int((rows.row_of >= 0).sum()) == 10 and rows.logp.shape == (10, model.config.draft_vocab_size)
+    full = batch.final_hidden[batch.loss_mask] @ head.T
+    assert torch.equal(rows.argmax, full.argmax(-1))
+    torch.testing.assert_close(rows.logp.exp().sum(-1), torch.ones(10))
+    torch.testing.assert_close(rows.logp, torch.log_softmax(full[:, draft_ids], -1))
+
+
+def test_accept_length_counts_leading_matches_plus_bonus():
+    # one row of 8 tokens, loss rows 1..7 -> anchors 0..6; matches per step chosen by hand
+    row_of = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
+    rows = TargetRows(row_of=row_of, logp=torch.zeros(7, 2), argmax=torch.zeros(7, dtype=torch.int64),
+                      in_vocab=torch.ones(7, dtype=torch.bool))
+    m = [[1, 1, 0, 1, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
+    res = [StepResult(torch.tensor(0.0), 0, 0, torch.tensor([x], dtype=torch.bool)) for x in m]
+    total, n = accept_lengths(res, rows, 3)
+    # anchor0: 3 matches -> 4; anchor1: step1 miss -> 2; anchor2: step0 miss -> 1; anchor3: 3 -> 4; rest 1
+    assert n == 7 and total == 4 + 2 + 1 + 4 + 1 + 1 + 1
+    assert accept_lengths(res, rows, 1) == (1 + 1 + 0 + 1 + 0 + 0 + 0 + 7, 7)
