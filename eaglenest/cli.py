@@ -9,16 +9,14 @@ from typing import Annotated
 
 import typer
 
+from eaglenest.cli_bench import app as bench_app
 from eaglenest.cli_train import app as train_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
 app.add_typer(model_app, name="model")
-<<<<<<< HEAD
-app.add_typer(__import__("eaglenest.cli_bench", fromlist=["app"]).app, name="bench")
-=======
 app.add_typer(train_app)  # eaglenest train | export
->>>>>>> drafter
+app.add_typer(bench_app, name="bench")  # eaglenest bench live | cpu | offline | prompts | plot | serve
 
 
 class Engine(StrEnum):

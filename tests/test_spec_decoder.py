@@ -191,3 +191,31 @@ def test_smollm2_with_trained_drafter_is_lossless():
         acc += out.accepted
         drafted += out.drafted
     print("SmolLM2 fp32 accept length", AcceptStats.from_cycles(acc, drafted, 3))
+
+
+def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_model_dir):
+    """eaglenest.drafter's export -> this loader gives the model its own loader gives; other targets refused."""
+    from eaglenest.drafter.export import TrainedDrafter, export_drafter, load_drafter
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.models import build_tiny_llama, load_config
+    from eaglenest.spec.draft import check_export_matches
+
+    runner = spec_tiny[0]
+    cfg = DrafterConfig.from_target(load_config(tiny_model_dir), aux_layer_ids=runner.aux_layer_ids,
+                                    draft_vocab_size=300)
+    torch.manual_seed(3)
+    model = Eagle3Drafter(cfg)
+    model.load_vocab(torch.arange(300) * 0 + 5, torch.arange(512).ge(5) & torch.arange(512).lt(305))
+    out = export_drafter(TrainedDrafter(weights=model.state_dict(), config=cfg, provenance=runner.provenance(),
+                                        training={}), tmp_path / "export")
+    mine = load_exported_drafter(out, embed_weight=runner.model.get_input_embeddings().weight,
+                                 target_aux_layer_ids=runner.aux_layer_ids)
+    theirs = load_drafter(out, target_dir=tiny_model_dir).model
+    ids, hid, pos = torch.randint(0, 512, (1, 7)), torch.randn(1, 7, 3 * 64), torch.arange(7).view(1, 7)
+    a, b = mine.extend(ids, hid, pos), theirs.extend(ids, hid, pos)
+    torch.testing.assert_close(a.logits, b.logits)
+    assert torch.equal(mine.to_target_ids(a.logits.argmax(-1)), theirs.to_target_ids(b.logits.argmax(-1)))
+    check_export_matches(out, tiny_model_dir)
+    other = build_tiny_llama(tmp_path / "other", hidden=32)
+    with pytest.raises(DraftLoadError, match="hidden_size"):
+        check_export_matches(out, other)

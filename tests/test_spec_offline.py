@@ -8,13 +8,13 @@ import pytest
 import torch
 from spec_support import one_thread
 
+from eaglenest.drafter.data import held_out
 from eaglenest.spec.decoder import Eagle3Proposer
 from eaglenest.spec.draft import load_exported_drafter
 from eaglenest.spec.offline import (
     SampleChains,
     calibrate,
     chain_drafts,
-    is_heldout,
     load_offline_draft,
     offline_accept_length,
     score_sample,
@@ -147,10 +147,12 @@ def test_heldout_split_and_refusals(spec_tiny, tiny_model_dir):
     runner, untrained, _, seqs, plens = spec_tiny
     store = make_store(runner, seqs, plens, prefix="sample-")
     draft, head = load_offline_draft(tiny_model_dir, untrained)
-    held = [s.sample_id for s in store.samples if is_heldout(s.sample_id, 0.3)]
+    held = [s.sample_id for s in store.samples if held_out(s.sample_id, 0.3)]  # the trainer's split
     assert 0 < len(held) < len(seqs)
     res = offline_accept_length(store, draft, head, num_steps=2, heldout_fraction=0.3)
     assert list(res.sample_ids) == held
+    capped = offline_accept_length(store, draft, head, num_steps=2, heldout_fraction=0.3, max_samples=1)
+    assert list(capped.sample_ids) == held[:1]  # the trainer's eval cap: the rest were trained on
     assert offline_accept_length(store, draft, head, sample_ids=["sample-1"]).sample_ids == ("sample-1",)
     with pytest.raises(ValueError, match="aux layers"):
         offline_accept_length(store, draft, head, heldout_fraction=1.0, aux_layer_ids=(0, 1, 2))

@@ -65,8 +65,8 @@ class BenchConfig(BaseModel):
     sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments (both servers)")
     python: str | None = Field(None, description="interpreter that runs the server (default: this one)")
     store_url: str | None = Field(None, description="store for the offline accept length (optional)")
-    heldout_fraction: float = Field(0.05, gt=0, le=1, description="held-out share of store samples (by id hash)")
-    offline_max_samples: int = Field(64, ge=1, description="most held-out samples simulated")
+    heldout_fraction: float = Field(0.05, gt=0, le=1, description="the drafter's eval_fraction (held-out split)")
+    offline_max_samples: int = Field(200, ge=1, description="the drafter's eval_max_samples (held-out cap)")
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
@@ -170,8 +170,8 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
     """Offline accept length of the drafter on the store's held-out samples (None without a store)."""
     if not cfg.store_url:
         return None
+    from eaglenest.drafter.data import open_store  # the store API (eaglenest.store once merged)
     from eaglenest.spec.offline import load_offline_draft, offline_accept_length
-    from eaglenest.store import open_store  # the store stage (another package)
 
     store = open_store(cfg.store_url)
     draft, head = load_offline_draft(model_path(cfg), cfg.draft)

@@ -115,6 +115,22 @@ def load_exported_drafter(
     return model.to(dtype).eval()
 
 
+def check_export_matches(folder: str | Path, target_dir: str | Path) -> None:
+    """An eaglenest export (``eaglenest.json`` present) must have been trained for this target:
+    :func:`eaglenest.drafter.export.check_compatible` (hidden size, vocabulary, aux layers, model hash).
+    Third-party SGLang folders have no manifest and are only checked by shape when loaded."""
+    manifest = Path(folder) / "eaglenest.json"
+    if not manifest.is_file():
+        return
+    from eaglenest import contract
+    from eaglenest.drafter.export import check_compatible
+
+    try:
+        check_compatible(json.loads(manifest.read_text()), target_dir=Path(target_dir))
+    except (contract.ContractError, KeyError, ValueError) as e:
+        raise DraftLoadError(f"{folder}: {e}") from None
+
+
 def target_embedding(model_dir: str | Path) -> torch.Tensor:
     """The target's token embedding [V, H], read without building the model."""
     return load_target_tensors(model_dir).embed

@@ -22,7 +22,6 @@ bonus token, as everywhere in eaglenest.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -48,10 +47,15 @@ class StoreLike(Protocol):
     def __getitem__(self, i: int) -> SampleLike: ...
 
 
-def is_heldout(sample_id: str, fraction: float) -> bool:
-    """Deterministic held-out split by sample id (sha256), stable across runs and stores."""
-    h = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
+def heldout_indices(store: StoreLike, fraction: float, max_samples: int | None) -> list[int]:
+    """Store indices of the drafter's evaluation split (:func:`eaglenest.drafter.data.split_indices`:
+    the same ids training held out, capped the same way), so the simulation never scores trained-on data."""
+    from eaglenest.drafter.data import split_indices
+
+    ids = getattr(store, "sample_ids", None)
+    if ids is None:
+        ids = [store[i].sample_id for i in range(len(store))]
+    return split_indices(list(ids), fraction, max_eval=max_samples)[1]
 
 
 def _step_inputs(draft: Eagle3Drafter, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
@@ -188,6 +192,9 @@ def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequen
 def load_offline_draft(model_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32"
                        ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """The draft (with the target's embedding) and the target's LM head [V, H], without the target model."""
+    from eaglenest.spec.draft import check_export_matches
+
+    check_export_matches(draft_dir, model_dir)
     dt = getattr(torch, dtype)
     draft = load_exported_drafter(draft_dir, embed_weight=target_embedding(model_dir).to(dt), dtype=dt)
     return draft, target_lm_head(model_dir).to(dt)
@@ -195,30 +202,32 @@ def load_offline_draft(model_dir: str | Path, draft_dir: str | Path, *, dtype: s
 
 def offline_accept_length(
     store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tensor, *, num_steps: int = 3,
-    heldout_fraction: float = 0.05, sample_ids: Sequence[str] | None = None, max_samples: int | None = None,
+    heldout_fraction: float = 0.05, sample_ids: Sequence[str] | None = None, max_samples: int | None = 200,
     aux_layer_ids: Sequence[int] | None = None,
 ) -> OfflineResult:
     """Accept length of ``draft`` simulated on the held-out samples of ``store`` (or ``sample_ids``).
 
-    ``aux_layer_ids`` (the store's, if known) must equal the draft's; a mismatch is refused.
+    The default split is the drafter trainer's (``eval_fraction`` 0.05, ``eval_max_samples`` 200):
+    pass the values the drafter was trained with. ``aux_layer_ids`` (the store's, if known) must equal
+    the drafter's; a mismatch is refused.
     """
     if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
         raise ValueError(f"store captured aux layers {list(aux_layer_ids)}, the drafter reads "
                          f"{list(draft.config.aux_layer_ids)}: simulate on a store captured for this draft")
-    wanted = set(sample_ids) if sample_ids is not None else None
+    if sample_ids is not None:
+        wanted = set(sample_ids)
+        ids = getattr(store, "sample_ids", None) or [store[i].sample_id for i in range(len(store))]
+        indices = [i for i, sid in enumerate(ids) if sid in wanted]
+    else:
+        indices = heldout_indices(store, heldout_fraction, max_samples)
     chains, used = [], []
-    for i in range(len(store)):
+    for i in indices:
         sample = store[i]
-        sid = sample.sample_id
-        if (sid not in wanted) if wanted is not None else not is_heldout(sid, heldout_fraction):
-            continue
         chains.append(score_sample(draft, lm_head, sample, num_steps))
-        used.append(sid)
-        if max_samples is not None and len(used) >= max_samples:
-            break
+        used.append(sample.sample_id)
     if not used:
         raise ValueError(f"no held-out samples among {len(store)} (heldout_fraction={heldout_fraction}, "
-                         f"sample_ids={'given' if wanted is not None else 'none'}): raise the fraction")
+                         f"sample_ids={'given' if sample_ids is not None else 'none'}): raise the fraction")
     return summarize(chains, num_steps, used)
 
 

@@ -100,8 +100,9 @@ class PlainGreedy:
 def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, num_steps: int = 3,
                       onednn: OneDNN = OneDNN()) -> SpecDecoder:
     """An EAGLE-3 decoder over ``runner`` with the exported draft in ``draft_dir`` (target's embedding)."""
-    from eaglenest.spec.draft import load_exported_drafter
+    from eaglenest.spec.draft import check_export_matches, load_exported_drafter
 
+    check_export_matches(draft_dir, runner.model_dir)
     draft = load_exported_drafter(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
                                   dtype=runner.model.dtype, target_aux_layer_ids=runner.aux_layer_ids)
     return SpecDecoder.eagle3(runner, draft, num_steps=num_steps, onednn=onednn)
