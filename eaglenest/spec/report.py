@@ -122,8 +122,7 @@ def plot_report(r: BenchReport) -> dict[str, bytes]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for res, style in ((r.baseline, "o-"), (r.eagle3, "s-")):
         ax.plot([lv.concurrency for lv in res.levels], [lv.output_tok_s for lv in res.levels], style, label=res.name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency (requests in flight)")
+    _concurrency_axis(ax, r.baseline.levels + r.eagle3.levels)
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{Path(r.model).name}: baseline vs EAGLE3 ({r.engine})")
     ax.grid(True, alpha=0.3)
@@ -135,14 +134,21 @@ def plot_report(r: BenchReport) -> dict[str, bytes]:
     if r.offline and r.offline.get("accept_length") is not None:
         ax.axhline(r.offline["accept_length"], ls="--", color="gray", label="offline (store simulation)")
     ax.axhline(1.0, ls=":", color="black", lw=0.8)
-    ax.set_xscale("log", base=2)
+    _concurrency_axis(ax, r.eagle3.levels)
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("accept length (tokens / verify, bonus counted)")
     ax.grid(True, alpha=0.3)
     ax.legend()
     pngs["accept_length.png"] = _png(fig, plt)
     return pngs
+
+
+def _concurrency_axis(ax, levels) -> None:
+    cs = sorted({lv.concurrency for lv in levels})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency (requests in flight)")
 
 
 def _png(fig, plt) -> bytes:
