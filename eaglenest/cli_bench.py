@@ -142,15 +142,35 @@ def offline(
     draft: Annotated[str, typer.Option(help="exported EAGLE-3 drafter")],
     model: Annotated[str, typer.Option(help="target model (embedding + LM head)")] = "default",
     steps: Annotated[int, typer.Option(help="draft steps per chain")] = 3,
-    heldout_fraction: Annotated[float, typer.Option(help="held-out share by sample-id hash")] = 0.05,
-    max_samples: Annotated[int, typer.Option(help="most samples")] = 64,
+    heldout_fraction: Annotated[float, typer.Option(help="the drafter's eval_fraction")] = 0.05,
+    max_samples: Annotated[int, typer.Option(help="the drafter's eval_max_samples")] = 200,
+    live_check: Annotated[int, typer.Option(help="also decode this many held-out prompts live (calibration)")] = 0,
+    live_tokens: Annotated[int, typer.Option(help="new tokens per live-checked prompt")] = 64,
 ) -> None:
-    """Teacher-forced accept length of a drafter on a store's held-out samples."""
-    from eaglenest.spec.bench import BenchConfig, offline_step
+    """Teacher-forced accept length of a drafter on a store's held-out samples (+ live calibration)."""
+    from eaglenest.spec.bench import BenchConfig, model_path, offline_step
 
     cfg = BenchConfig(model=model, draft=draft, num_steps=steps, store_url=store, heldout_fraction=heldout_fraction,
                       offline_max_samples=max_samples)
-    typer.echo(json.dumps(offline_step(cfg), indent=1))
+    res = offline_step(cfg)
+    typer.echo(json.dumps(res, indent=1))
+    if live_check:
+        from eaglenest.drafter.data import open_store
+        from eaglenest.engines.runtime import TargetRunner
+        from eaglenest.spec.cpu_bench import live_accept_on_samples
+        from eaglenest.spec.draft import draft_aux_layer_ids
+        from eaglenest.spec.offline import calibrate
+        from eaglenest.spec.serve import load_spec_decoder
+
+        st = open_store(store)
+        by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
+        samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
+        runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(draft))
+        live = live_accept_on_samples(load_spec_decoder(runner, draft, num_steps=steps), samples,
+                                      max_new_tokens=live_tokens)
+        typer.echo(f"live on {len(samples)} held-out prompts: accept length {live.accept_length:.3f} "
+                   f"({live.cycles} verify cycles, per-position {[round(x, 3) for x in live.acceptance_at]})")
+        typer.echo(json.dumps(calibrate(res["accept_length"], live.accept_length).to_json()))
 
 
 @app.command()

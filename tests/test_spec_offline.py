@@ -163,3 +163,16 @@ def test_heldout_split_and_refusals(spec_tiny, tiny_model_dir):
 def test_calibration():
     c = calibrate(2.4, 3.0)
     assert c.ratio == pytest.approx(0.8) and c.error == pytest.approx(-0.6)
+
+
+def test_offline_estimate_is_calibrated_against_live_decoding(spec_tiny):
+    """Same held-out prompts decoded live: the store simulation predicts the live accept length."""
+    from eaglenest.spec.cpu_bench import live_accept_on_samples
+
+    runner, _, fitted, seqs, plens = spec_tiny
+    store = make_store(runner, seqs, plens)
+    res = offline_accept_length(store, fp32_draft(runner, fitted), runner.model.lm_head.weight.float(), num_steps=3,
+                                heldout_fraction=1.0)
+    live = live_accept_on_samples(load_spec_decoder(runner, fitted, num_steps=3), store.samples, max_new_tokens=40)
+    cal = calibrate(res.accept_length, live.accept_length)
+    assert live.cycles > 100 and 0.8 < cal.ratio < 1.25, cal

@@ -167,3 +167,19 @@ def run_cpu_bench(
                           model_name=str(model_dir), draft_name=str(draft), progress=progress)
     result.notes += notes
     return result
+
+
+def live_accept_on_samples(decoder: SpecDecoder, samples: Sequence[Any], *, max_new_tokens: int = 64) -> AcceptStats:
+    """Live accept length of ``decoder`` on the prompts of store samples (tokens before the first loss
+    token): the number :func:`eaglenest.spec.offline.offline_accept_length` predicts for the same samples."""
+    accepted: list[int] = []
+    drafted: list[int] = []
+    for s in samples:
+        mask = s.loss_mask.bool()
+        start = int(mask.nonzero()[0]) if bool(mask.any()) else int(mask.numel())
+        if start == 0:
+            continue
+        out = decoder.generate(s.input_ids[:start].tolist(), max_new_tokens=max_new_tokens)
+        accepted += out.accepted
+        drafted += out.drafted
+    return AcceptStats.from_cycles(accepted, drafted, decoder.num_steps)
