@@ -219,3 +219,19 @@ def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_mode
     other = build_tiny_llama(tmp_path / "other", hidden=32)
     with pytest.raises(DraftLoadError, match="hidden_size"):
         check_export_matches(out, other)
+
+
+def test_side_by_side_benchmark_accounts_both_methods(spec_tiny):
+    from eaglenest.spec.cpu_bench import side_by_side
+
+    runner, _, fitted, seqs, plens = spec_tiny
+    prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:3]
+    policies = {k: v for k, v in OneDNN.candidates().items() if k in ("onednn", "prefill-only")}
+    res = side_by_side(runner, lambda pol: load_spec_decoder(runner, fitted, num_steps=3, onednn=pol), prompts,
+                       max_new_tokens=12, policies=policies, ignore_eos=True)
+    assert res.mismatched_prompts == {"onednn": 0, "prefill-only": 0}  # fp32: lossless
+    assert {(t.method, t.policy) for t in res.totals} == {(m, p) for m in ("plain", "eagle3") for p in policies}
+    assert all(t.tokens == 36 for t in res.totals)
+    assert res.accept.cycles == sum(t.cycles for t in res.totals if t.method == "eagle3")
+    assert res.speedup == pytest.approx(res.best("eagle3").tok_s / res.best("plain").tok_s)
+    assert res.break_even_accept_length > 0 and "break-even" in "\n".join(res.lines())

@@ -31,6 +31,8 @@ class MethodTotals:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    cycles: int = 0
+    """eagle3: verify forwards (plain: 0)."""
 
     @property
     def wall_s(self) -> float:
@@ -70,12 +72,23 @@ class SideBySide:
         base = self.best("plain").tok_s
         return self.best("eagle3").tok_s / base if base else 0.0
 
+    @property
+    def break_even_accept_length(self) -> float:
+        """Accept length at which speculation would match plain decoding: the measured cost of one
+        cycle (k draft steps + one verify, best speculative policy) in plain decode steps (best plain)."""
+        s, p = self.best("eagle3"), self.best("plain")
+        if not s.cycles or not p.decode_s:
+            return float("nan")
+        steps = p.tokens - self.prompts  # plain decoding makes n - 1 decode steps for n tokens (prefill gives 1)
+        return (s.decode_s / s.cycles) / (p.decode_s / steps) if steps > 0 else float("nan")
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "draft": self.draft, "dtype": self.dtype, "num_steps": self.num_steps,
                 "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
                 "totals": [t.to_json() for t in self.totals], "accept": asdict(self.accept),
                 "mismatched_prompts": self.mismatched_prompts, "best_plain": self.best("plain").policy,
-                "best_eagle3": self.best("eagle3").policy, "speedup": self.speedup, "notes": self.notes}
+                "best_eagle3": self.best("eagle3").policy, "speedup": self.speedup,
+                "break_even_accept_length": self.break_even_accept_length, "notes": self.notes}
 
     def lines(self) -> list[str]:
         out = [f"target {self.model} ({self.dtype}), drafter {self.draft}, k={self.num_steps} draft steps "
@@ -90,7 +103,8 @@ class SideBySide:
                    f"per-position acceptance {[round(x, 3) for x in a.acceptance_at]}, conditional "
                    f"{[round(x, 3) for x in a.conditional_at]}, histogram {list(a.histogram)}")
         out.append(f"speedup (best eagle3 {self.best('eagle3').policy} / best plain {self.best('plain').policy}): "
-                   f"{self.speedup:.3f}x")
+                   f"{self.speedup:.3f}x; one speculation cycle costs {self.break_even_accept_length:.2f} plain "
+                   "decode steps (= the break-even accept length)")
         out.append(f"outputs differing from plain greedy (per policy): {self.mismatched_prompts}")
         out += self.notes
         return out
@@ -125,6 +139,7 @@ def side_by_side(
             ts.decode_s += s.decode_s
             ts.draft_s += s.draft_s
             ts.verify_s += s.verify_s
+            ts.cycles += s.verify_ct
             mismatched[name] += p.output_ids != s.output_ids
             accepted += s.accepted
             drafted += s.drafted
