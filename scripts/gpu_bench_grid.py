@@ -14,6 +14,21 @@ token (chain: steps + 1). Writes $OUT/server_baseline.json and $OUT/server_eagle
 then $OUT/report.json, report.md (and PNGs when matplotlib is importable; otherwise run
 ``eaglenest bench plot report.json`` here). Prints the table and the gate; exits 1 on a launch failure,
 0 otherwise (the gate verdict is in the output: the integrator reads numbers, not exit codes).
+
+Recipe for SmolLM2-135M on the H200 (see ../shared/device/sglang-0.5.17/README.md; one command may carry
+64 MiB, /tmp survives while the machine stays warm; run these back to back):
+  here:  eaglenest bench prompts --prompt-set mt-bench --model default --out .bench/mt-bench.jsonl
+         (and export the drafter: eaglenest export RUN .bench/draft --target default; ~23 MB at draft vocab 8K)
+  1. carry .device (archive + bin):   source .device/bin/device_setup.sh
+  2. carry .device/gguf1:             copy the first GGUF half to /tmp/smol/
+  3. carry .device/gguf2 + project:   join the halves, check the sha256, convert with eaglenest.models.convert_gguf
+                                      into /tmp/smol/model
+  4. carry .bench/draft:              cp -r .bench/draft /tmp/draft
+  5. project (+ .bench/mt-bench.jsonl): source .device/bin/device_setup.sh; export PYTHONPATH=/tmp/site:$PWD;
+       python3 scripts/gpu_bench_grid.py --model /tmp/smol/model --draft /tmp/draft \
+         --prompts .bench/mt-bench.jsonl --only baseline && cp $OUT/server_baseline.json /tmp/
+  6. same, --only eagle3 --baseline-json /tmp/server_baseline.json   (writes report.json + report.md)
+  here:  eaglenest bench plot <fetched>/report.json    (PNGs, when the GPU image lacks matplotlib)
 """
 
 from __future__ import annotations
