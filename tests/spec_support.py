@@ -63,3 +63,26 @@ def fit_drafter(runner, draft_dir: Path, sequences: list[list[int]], *, steps: i
         opt.step()
     state = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
     save_file(state, str(draft_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def level(c, tok_s, accept=None, errors=0):
+    """A synthetic level result."""
+    from eaglenest.spec.live import LevelResult
+
+    return LevelResult(concurrency=c, requests=8, errors=errors, duration_s=1.0, output_tokens=int(tok_s),
+                       output_tok_s=tok_s, requests_per_s=8.0, latency_mean_s=0.5, latency_p50_s=0.5,
+                       latency_p90_s=0.8, latency_p99_s=0.9, accept_length=accept,
+                       first_error="HTTP 500" if errors else None)
+
+
+def report(base, eagle, **kw):
+    """A synthetic SGLang benchmark report (baseline levels, EAGLE3 levels)."""
+    from eaglenest.spec.live import ServerResult
+    from eaglenest.spec.report import BenchReport
+
+    return BenchReport(engine="sglang", model="/m/SmolLM2", draft="/d", spec={"num_steps": 3, "topk": 1,
+                       "num_draft_tokens": 4}, prompt_set="mt-bench", prompt_source="pkg", num_prompts=80,
+                       max_new_tokens=256, baseline=ServerResult(name="baseline", cmd=["a"], levels=base,
+                                                                 server_accept_length=None, startup_s=1.0),
+                       eagle3=ServerResult(name="eagle3", cmd=["b"], levels=eagle, server_accept_length=2.9,
+                                           startup_s=2.0), **kw)

@@ -7,11 +7,9 @@ import json
 
 import httpx
 import pytest
-from spec_support import one_thread
+from spec_support import level, one_thread, report
 
 from eaglenest.spec.live import (
-    LevelResult,
-    ServerResult,
     drive_level,
     percentile,
     run_levels,
@@ -19,7 +17,7 @@ from eaglenest.spec.live import (
     server_info,
     sglang_command,
 )
-from eaglenest.spec.report import BenchReport, GateFailed, gate, read_report, require_gate, write_report
+from eaglenest.spec.report import GateFailed, gate, read_report, require_gate, write_report
 from eaglenest.spec.serve import SpecConfig
 
 
@@ -115,22 +113,6 @@ def test_embedded_eagle3_server_reports_like_sglang(spec_tiny):
     assert [lv.concurrency for lv in levels] == [1, 3] and all(lv.errors == 0 for lv in levels)
     assert all(lv.accept_length > 1.2 for lv in levels)
     assert info["speculative_algorithm"] == "EAGLE3" and server_accept_length(info) > 1.2
-
-
-def level(c, tok_s, accept=None, errors=0):
-    return LevelResult(concurrency=c, requests=8, errors=errors, duration_s=1.0, output_tokens=int(tok_s),
-                       output_tok_s=tok_s, requests_per_s=8.0, latency_mean_s=0.5, latency_p50_s=0.5,
-                       latency_p90_s=0.8, latency_p99_s=0.9, accept_length=accept,
-                       first_error="HTTP 500" if errors else None)
-
-
-def report(base, eagle, **kw):
-    return BenchReport(engine="sglang", model="/m/SmolLM2", draft="/d", spec={"num_steps": 3, "topk": 1,
-                       "num_draft_tokens": 4}, prompt_set="mt-bench", prompt_source="pkg", num_prompts=80,
-                       max_new_tokens=256, baseline=ServerResult(name="baseline", cmd=["a"], levels=base,
-                                                                 server_accept_length=None, startup_s=1.0),
-                       eagle3=ServerResult(name="eagle3", cmd=["b"], levels=eagle, server_accept_length=2.9,
-                                           startup_s=2.0), **kw)
 
 
 def test_gate_passes_fails_and_refuses_to_judge():
