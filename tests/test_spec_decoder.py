@@ -170,6 +170,7 @@ def test_loader_refuses_a_wrong_target_or_folder(spec_tiny, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_smollm2_with_trained_drafter_is_lossless():
     """Real SmolLM2 (fp32) + a trained drafter: EAGLENEST_TRAINED_DRAFTER=<exported folder>."""
     path = os.environ.get("EAGLENEST_TRAINED_DRAFTER")
@@ -183,11 +184,11 @@ def test_smollm2_with_trained_drafter_is_lossless():
     torch.set_num_threads(2)
     runner = TargetRunner(ensure_default_model(), dtype="float32", aux_layer_ids=draft_aux_layer_ids(path))
     dec = load_spec_decoder(runner, path, num_steps=3)
-    ids = P.tokenize(P.load_prompt_set("mt-bench", limit=8), runner.tokenizer)
+    ids = P.tokenize(P.load_prompt_set("mt-bench", limit=6), runner.tokenizer)
     acc, drafted = [], []
     for x in ids:
-        out = dec.generate(x, max_new_tokens=48)
-        assert out.output_ids == plain_greedy(runner, x, max_new_tokens=48).output_ids
+        out = dec.generate(x, max_new_tokens=40)
+        assert out.output_ids == plain_greedy(runner, x, max_new_tokens=40).output_ids
         acc += out.accepted
         drafted += out.drafted
     print("SmolLM2 fp32 accept length", AcceptStats.from_cycles(acc, drafted, 3))
