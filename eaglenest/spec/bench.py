@@ -56,7 +56,8 @@ class BenchConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="per-request client timeout")
     dtype: str = Field("auto", description="embedded: auto | bfloat16 | float32")
     onednn_baseline: OneDNNPolicy = Field("prefill-only", description="embedded baseline's oneDNN policy")
-    onednn_eagle3: OneDNNPolicy = Field("prefill-only", description="embedded EAGLE3 server's oneDNN policy")
+    onednn_eagle3: OneDNNPolicy = Field(
+        "prefill+verify", description="embedded EAGLE3 server's oneDNN policy (1-token steps run best without)")
     threads: int | None = Field(None, ge=1, description="embedded: torch CPU threads per server (default torch's)")
     cuda_graph: bool = Field(True, description="sglang: keep CUDA graphs on (benchmarks)")
     attention_backend: str | None = Field("triton", description="sglang --attention-backend")
