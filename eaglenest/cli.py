@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from eaglenest.cli_bench import app as bench_app
 from eaglenest.cli_extract import app as extract_app
 from eaglenest.cli_store import app as store_app
 from eaglenest.cli_train import app as train_app
@@ -19,6 +20,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(extract_app, name="extract")
 app.add_typer(store_app, name="store")
 app.add_typer(train_app)  # eaglenest train | export
+app.add_typer(bench_app, name="bench")  # eaglenest bench live | cpu | offline | prompts | plot | serve
 
 
 class Engine(StrEnum):

@@ -116,3 +116,20 @@ def drafter_store(tiny_runner):
         samples.append(StoreSample(f"tiny-{i:03d}", torch.tensor(seq, dtype=torch.int32), mask,
                                    cap.aux_hidden, cap.final_hidden))
     return MemoryStore(samples, tiny_runner.provenance())
+
+
+@pytest.fixture(scope="session")
+def spec_tiny(tiny_model_dir, tiny_runner, tmp_path_factory):
+    """(runner fp32, untrained drafter dir, fitted drafter dir, greedy sequences (prompt + 40 new), prompt lens)."""
+    from spec_support import fit_drafter, greedy_sequences, one_thread, random_prompts
+
+    from eaglenest.spec.draft import write_random_draft
+
+    root = tmp_path_factory.mktemp("spec")
+    untrained = write_random_draft(tiny_model_dir, root / "untrained")
+    fitted = write_random_draft(tiny_model_dir, root / "fitted")
+    prompts = random_prompts(16, seed=11, lo=5, hi=25)
+    with one_thread():
+        seqs = greedy_sequences(tiny_runner, prompts, 40)
+        fit_drafter(tiny_runner, fitted, seqs)
+    return tiny_runner, untrained, fitted, seqs, [len(p) for p in prompts]

@@ -75,12 +75,19 @@ class ServerSettings:
 
 
 class EmbeddedEngine:
-    """Scheduler + shard writer around a :class:`TargetRunner`."""
+    """Scheduler + shard writer around a :class:`TargetRunner`.
+
+    ``greedy_decoder`` (opt-in, e.g. eaglenest.spec's EAGLE-3 decoder): an object with
+    ``generate_greedy(input_ids, *, max_new_tokens, ignore_eos) -> Generation`` that serves greedy
+    requests which are not captured; everything else runs on the runner.
+    """
 
     def __init__(
-        self, runner: TargetRunner, *, capture_dir: str | Path | None, settings: ServerSettings | None = None
+        self, runner: TargetRunner, *, capture_dir: str | Path | None, settings: ServerSettings | None = None,
+        greedy_decoder: Any = None,
     ) -> None:
         self.runner = runner
+        self.greedy_decoder = greedy_decoder
         self.settings = settings or ServerSettings()
         self.capture_dir = Path(capture_dir) if capture_dir else None
         if self.capture_dir:
@@ -164,10 +171,17 @@ class EmbeddedEngine:
 
     def _run_generate(self, w: Work) -> None:
         try:
-            result = self.runner.generate(
-                w.input_ids, max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_p=w.top_p,
-                ignore_eos=w.ignore_eos, capture=w.capture, seed=w.seed,
-            )
+            if self.greedy_decoder is not None and w.temperature <= 0 and not w.capture:
+                result = self.greedy_decoder.generate_greedy(w.input_ids, max_new_tokens=w.max_new_tokens,
+                                                             ignore_eos=w.ignore_eos)
+                self.stats["spec_verify_ct"] = self.stats.get("spec_verify_ct", 0) + result.spec_verify_ct
+                self.stats["spec_correct_drafts"] = (self.stats.get("spec_correct_drafts", 0)
+                                                     + result.spec_correct_drafts)
+            else:
+                result = self.runner.generate(
+                    w.input_ids, max_new_tokens=w.max_new_tokens, temperature=w.temperature, top_p=w.top_p,
+                    ignore_eos=w.ignore_eos, capture=w.capture, seed=w.seed,
+                )
         except Exception as e:
             log.exception("generation failed")
             w.future.set_exception(RequestError(500, f"generation failed: {e}", "engine_error"))
@@ -334,6 +348,11 @@ def _response(engine: EmbeddedEngine, w: Work, result: Generation, shard: dict |
     }
     if shard is not None:
         meta["capture"] = shard
+    if result.spec_verify_ct:  # SGLang's names: accept length = completion_tokens / verify_ct (bonus counted)
+        meta.update(spec_verify_ct=result.spec_verify_ct, spec_num_correct_drafts=result.spec_correct_drafts,
+                    spec_num_proposed_drafts=result.spec_proposed_drafts,
+                    spec_accept_length=len(result.output_ids) / result.spec_verify_ct,
+                    spec_accept_rate=result.spec_correct_drafts / max(result.spec_proposed_drafts, 1))
     text = engine.runner.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 
@@ -366,9 +385,12 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     async def server_info():
         from eaglenest import __version__
 
-        return {"version": __version__, "engine": "embedded", "stats": dict(engine.stats),
+        info = {"version": __version__, "engine": "embedded", "stats": dict(engine.stats),
                 "context_length": engine.runner.context_length, "dtype": engine.runner.dtype_name,
                 "max_batch_size": engine.settings.max_batch_size}
+        if engine.greedy_decoder is not None and hasattr(engine.greedy_decoder, "server_info"):
+            info.update(engine.greedy_decoder.server_info(engine.stats))  # speculative_* like SGLang's
+        return info
 
     @app.post("/generate")
     async def generate(request: Request):

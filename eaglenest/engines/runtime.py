@@ -42,6 +42,11 @@ class Generation:
     captured: Captured | None
     prefill_s: float
     decode_s: float
+    spec_verify_ct: int = 0
+    """Speculative decoding only: target verify forwards (0 = plain decoding)."""
+    spec_correct_drafts: int = 0
+    """Speculative decoding only: draft tokens the target accepted (bonus tokens not counted)."""
+    spec_proposed_drafts: int = 0
 
 
 class TargetRunner:

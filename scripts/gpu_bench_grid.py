@@ -1,0 +1,128 @@
+"""GPU machine: the live baseline-vs-EAGLE3 grid with real SGLang, no Prefect. Writes JSON (+ PNGs) to $OUT.
+
+    python scripts/gpu_bench_grid.py --model MODEL_DIR --draft DRAFTER_DIR --prompts PROMPTS.jsonl \
+        [--concurrency 1,4,16,64] [--steps 3 --topk 1 --draft-tokens 4] [--max-new-tokens 256] \
+        [--num-prompts 32] [--target-concurrency 1 --min-speedup 1.0] [--only baseline|eagle3] \
+        [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...]
+
+PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prompts --prompt-set mt-bench
+--out prompts.jsonl`` (chat-templated token ids; the GPU machine has no network). Each server is
+``python -m sglang.launch_server`` (CUDA graphs on unless --no-cuda-graph; triton attention + pytorch
+sampling, the kit's verified flags) started in its own process group, proven ready by a real request,
+driven at every concurrency with httpx, and stopped. --speculative-num-draft-tokens counts the root
+token (chain: steps + 1). Writes $OUT/server_baseline.json and $OUT/server_eagle3.json as each finishes,
+then $OUT/report.json, report.md (and PNGs when matplotlib is importable; otherwise run
+``eaglenest bench plot report.json`` here). Prints the table and the gate; exits 1 on a launch failure,
+0 otherwise (the gate verdict is in the output: the integrator reads numbers, not exit codes).
+
+Recipe for SmolLM2-135M on the H200 (see ../shared/device/sglang-0.5.17/README.md; one command may carry
+64 MiB, /tmp survives while the machine stays warm; run these back to back):
+  here:  eaglenest bench prompts --prompt-set mt-bench --model default --out .bench/mt-bench.jsonl
+         (and export the drafter: eaglenest export RUN .bench/draft --target default; ~23 MB at draft vocab 8K)
+  1. carry .device (archive + bin):   source .device/bin/device_setup.sh
+  2. carry .device/gguf1:             copy the first GGUF half to /tmp/smol/
+  3. carry .device/gguf2 + project:   join the halves, check the sha256, convert with eaglenest.models.convert_gguf
+                                      into /tmp/smol/model
+  4. carry .bench/draft:              cp -r .bench/draft /tmp/draft
+  5. project (+ .bench/mt-bench.jsonl): source .device/bin/device_setup.sh; export PYTHONPATH=/tmp/site:$PWD;
+       python3 scripts/gpu_bench_grid.py --model /tmp/smol/model --draft /tmp/draft \
+         --prompts .bench/mt-bench.jsonl --only baseline && cp $OUT/server_baseline.json /tmp/
+  6. same, --only eagle3 --baseline-json /tmp/server_baseline.json   (writes report.json + report.md)
+  here:  eaglenest bench plot <fetched>/report.json    (PNGs, when the GPU image lacks matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
+
+from eaglenest.engines.launcher import LaunchError, ServerProcess
+from eaglenest.spec.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
+from eaglenest.spec.live import ServerResult, bench_server, end_recorded_servers
+from eaglenest.spec.report import gate, markdown_table, write_report
+
+
+def gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompts", required=True, help="token JSONL from `eaglenest bench prompts`")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--draft-tokens", type=int, default=None, help="root counted; default steps + 1")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--requests-per-level", type=int, default=None)
+    ap.add_argument("--target-concurrency", type=int, default=1)
+    ap.add_argument("--min-speedup", type=float, default=1.0)
+    ap.add_argument("--only", choices=["baseline", "eagle3"], default=None)
+    ap.add_argument("--baseline-json", default=None, help="reuse a measured baseline (server_baseline.json)")
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--sglang-arg", action="append", default=[])
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--ready-timeout", type=float, default=400.0)
+    a = ap.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    cfg = BenchConfig(engine="sglang", model=a.model, draft=a.draft, num_steps=a.steps, topk=a.topk,
+                      num_draft_tokens=a.draft_tokens, prompt_file=a.prompts, num_prompts=a.num_prompts,
+                      max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
+                      requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
+                      min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
+                      mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg,
+                      ready_timeout_s=a.ready_timeout)
+    prompts: Prompts = prepare_prompts(cfg)
+    print(f"GPU: {gpu_name()}; prompts: {prompts.name} x{len(prompts.token_ids)} ({prompts.source})", flush=True)
+    cmds = dict(zip(("baseline", "eagle3"), server_commands(cfg, cfg.port), strict=True))
+    results: dict[str, ServerResult] = {}
+    if a.baseline_json:
+        results["baseline"] = ServerResult.from_json(json.loads(Path(a.baseline_json).read_text()))
+    for name in ("baseline", "eagle3"):
+        if name in results or (a.only and a.only != name):
+            continue
+        print(f"== {name}: {' '.join(cmds[name])}", flush=True)
+        server = ServerProcess(cmd=cmds[name], url=f"http://127.0.0.1:{cfg.port}", log_path=out / f"server_{name}.log")
+        try:
+            results[name] = bench_server(
+                name, server, prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens,
+                requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
+                timeout_s=cfg.request_timeout_s, pidfile=out / "servers.jsonl",
+                progress=lambda n, lv: print(f"{n:8s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
+                                             f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
+                                             f"{lv.accept_length}  errors {lv.errors}", flush=True))
+        except LaunchError as e:
+            print(f"{name} failed to launch: {e}", flush=True)
+            return 1
+        finally:
+            end_recorded_servers(out / "servers.jsonl")  # bench_server stopped it; this clears the record
+        (out / f"server_{name}.json").write_text(json.dumps(results[name].to_json(), indent=1))
+        print(f"{name}: started in {results[name].startup_s:.0f} s; server accept length "
+              f"{results[name].server_accept_length}", flush=True)
+    if len(results) < 2:
+        return 0
+    report = assemble(cfg, prompts, results["baseline"], results["eagle3"])
+    report.notes.append(f"GPU: {gpu_name()}")
+    write_report(report, out)
+    print(markdown_table(report))
+    g = gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
+    print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
