@@ -1,4 +1,4 @@
-"""The real run: prompts -> SGLang capture -> validated shards -> store -> GPU training -> export -> bench.
+"""The real run: prompts -> SGLang capture -> validated shards -> store -> GPU training -> export.
 
 Runs on the GPU machine with only what the device recipe brings plus this project (no Prefect: the library
 never imports it). Phases run in the order given and add to WORK/report.json, so the run can span several
@@ -6,7 +6,7 @@ device commands while the machine stays warm (WORK under /tmp survives between t
 
     python3 scripts/gpu_run.py --phases model,capture,reference --gguf-parts A B --prompts P.jsonl.xz
     python3 scripts/gpu_run.py --phases store,train,export
-    python3 scripts/gpu_run.py --phases bench
+    python3 scripts/gpu_bench_grid.py --model /tmp/run/model --draft /tmp/run/export ...   (the live grid)
 
 - model:     join the GGUF parts, check its sha256, convert with eaglenest's own converter.
 - capture:   the same extraction code the flow uses (``run_extraction``) against an SGLang server launched
@@ -16,7 +16,7 @@ device commands while the machine stays warm (WORK under /tmp survives between t
 - reference: per-layer comparison of captured shards with a transformers bf16 forward on the GPU.
 - store:     ledger -> Arrow-indexed store.   train: EAGLE-3 drafter on the GPU.   export: SGLang folder,
              packed into <= 15 MB parts under OUT (bring it back; keep it out of git).
-- bench:     live grid, baseline vs EAGLE3 with the exported drafter (eaglenest.spec).
+The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.spec), run after these.
 
 ``--engine embedded`` dry-runs every phase on the CPU with the embedded server (tiny sizes).
 """
@@ -268,17 +268,8 @@ def phase_export(a) -> dict:
     return res
 
 
-def phase_bench(a) -> dict:
-    from eaglenest.spec.gpu_grid import run_grid
-
-    return run_grid(target=model_dir(a), draft=a.work / "export", work=a.work / "bench", out=a.out,
-                    engine=a.engine, concurrencies=a.concurrency_grid, prompts_per_level=a.bench_prompts,
-                    max_new_tokens=a.bench_max_new_tokens, target_concurrency=a.gate_concurrency,
-                    threshold=a.gate_threshold)
-
-
 PHASES = {"model": phase_model, "capture": phase_capture, "reference": phase_reference, "store": phase_store,
-          "train": phase_train, "export": phase_export, "bench": phase_bench}
+          "train": phase_train, "export": phase_export}
 
 
 def main() -> int:
@@ -303,13 +294,7 @@ def main() -> int:
     p.add_argument("--train-max-tokens", type=int, default=32768)
     p.add_argument("--train-minutes", type=float, default=5.0)
     p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--concurrency-grid", default="1,4,16,64")
-    p.add_argument("--bench-prompts", type=int, default=64)
-    p.add_argument("--bench-max-new-tokens", type=int, default=256)
-    p.add_argument("--gate-concurrency", type=int, default=16)
-    p.add_argument("--gate-threshold", type=float, default=1.0)
     a = p.parse_args()
-    a.concurrency_grid = [int(x) for x in a.concurrency_grid.split(",")]
     a.work.mkdir(parents=True, exist_ok=True)
     (a.work / "logs").mkdir(exist_ok=True)
     if (a.work / "report.json").is_file():
