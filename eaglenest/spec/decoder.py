@@ -274,7 +274,10 @@ class SpecDecoder:
             new = [*drafts[:a], target[a]]
             accepted.append(a)
             drafted.append(len(drafts))
-            cache.crop(n + a + 1)
+            # drop the rejected drafts' KV; a negative crop removes that many tokens on every transformers 5.x
+            rejected = cache.get_seq_length() - (n + a + 1)
+            if rejected > 0:
+                cache.crop(-rejected)
             for tok in new:
                 output.append(tok)
                 if tok in stops:
