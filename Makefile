@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m eaglenest demo
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.pipeline --demo --out runs/demo
 
 test: setup
 	$(PY) -m ruff check eaglenest tasks flows deployments tests scripts

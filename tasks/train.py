@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import (
     create_image_artifact,
     create_progress_artifact,
@@ -57,7 +57,8 @@ def _train_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
 def train_drafter(config: TrainConfig) -> dict:
     """Train (or resume) the drafter; a progress artifact follows the optimizer steps."""
     artifact = create_progress_artifact(0.0, description=f"training drafter -> {config.out_dir}")
-    last = [0.0]
+    logger = get_run_logger()
+    last, logged = [0.0], [-10.0]
 
     def progress(event: dict) -> None:
         if event["kind"] == "train":
@@ -66,6 +67,13 @@ def train_drafter(config: TrainConfig) -> dict:
             if pct - last[0] >= 1.0:
                 update_progress_artifact(artifact, pct)
                 last[0] = pct
+            if pct - logged[0] >= 10.0:
+                acc0 = (event.get("step_acc") or [float("nan")])[0]
+                logger.info("step %d/%d loss %.3f step-0 acc %.3f", event["step"], total,
+                            event.get("loss", float("nan")), acc0)
+                logged[0] = pct
+        elif event["kind"] == "eval":
+            logger.info("held-out accept length %s", event.get("accept_length"))
 
     result = train(config, callback=progress).to_dict()
     update_progress_artifact(artifact, 100.0)

@@ -130,6 +130,16 @@ def test_gate_passes_fails_and_refuses_to_judge():
     assert not gate(bad, target_concurrency=1).passed and "failed" in gate(bad, target_concurrency=1).message
 
 
+def test_gate_refuses_a_speedup_the_accept_length_cannot_explain(tmp_path):
+    """2.5x with 1.16 tokens per verify: the baseline ran under heavier load than EAGLE3 (seen in a demo run)."""
+    r = report([level(1, 3.2)], [level(1, 8.0, 1.16)])
+    g = gate(r, target_concurrency=1, min_speedup=1.0)
+    assert not g.passed and "implausible" in g.message and "re-measure" in g.message
+    assert gate(r, target_concurrency=1, min_speedup=0.0).passed  # threshold 0: reported, not gated
+    assert "WARNING" in write_report(r, tmp_path)["markdown"].read_text()
+    assert gate(report([level(1, 100)], [level(1, 140, 1.5)]), target_concurrency=1).passed  # plausible
+
+
 def test_report_files_round_trip(tmp_path):
     r = report([level(1, 100), level(4, 300)], [level(1, 150, 2.5), level(4, 360, 2.4)],
                offline={"accept_length": 2.6, "accept_length_lower": 2.4, "samples": 10, "chains": 500},

@@ -108,6 +108,11 @@ def markdown_table(r: BenchReport) -> str:
                      f"(offline {_f(r.calibration.get('offline_accept_length'), '.2f')}, live "
                      f"{_f(r.calibration.get('live_accept_length'), '.2f')}).")
     lines += [f"- {n}" for n in r.notes]
+    odd = [c for c, v in sp.items() if (e := r.level("eagle3", c)) is not None and e.accept_length
+           and v is not None and v > e.accept_length * IMPLAUSIBLE_MARGIN]
+    if odd:
+        lines.append(f"- WARNING: at concurrency {odd} the speedup exceeds the accept length, which bounds it: the "
+                     "baseline and EAGLE3 servers ran under different machine load; re-measure when quiet.")
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +193,9 @@ class GateResult:
     message: str
 
 
+IMPLAUSIBLE_MARGIN = 1.15  # measured speedup / accept length above this: the load changed between the servers
+
+
 def gate(r: BenchReport, *, target_concurrency: int, min_speedup: float = 1.0) -> GateResult:
     """Does EAGLE3 reach ``min_speedup`` x the baseline's output tok/s at ``target_concurrency``?"""
     b, e = r.level("baseline", target_concurrency), r.level("eagle3", target_concurrency)
@@ -205,6 +213,15 @@ def gate(r: BenchReport, *, target_concurrency: int, min_speedup: float = 1.0) -
     acc = f"accept length {e.accept_length:.2f}" if e.accept_length is not None else "no accept length reported"
     head = (f"EAGLE3 runs at {s:.2f}x the baseline at concurrency {target_concurrency} "
             f"({e.output_tok_s:.1f} vs {b.output_tok_s:.1f} output tok/s, {acc}; threshold {min_speedup:.2f}x)")
+    if e.accept_length is not None and s > e.accept_length * IMPLAUSIBLE_MARGIN:
+        note = (f"{head}: implausible — a speedup above the accept length cannot come from speculation (each "
+                f"verify forward costs at least a plain decode step), so the two servers ran under different "
+                f"load; re-measure on a quiet machine")
+        if min_speedup > 0:
+            return GateResult(passed=False, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
+                              message=note)
+        return GateResult(passed=True, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
+                          message=note + " (threshold 0: reported, not gated)")
     if s >= min_speedup:
         return GateResult(passed=True, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
                           message=head + ": passes")
