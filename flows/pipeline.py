@@ -145,7 +145,7 @@ class FanoutParams(BaseModel):
     pipeline: lib.PipelineParams = Field(default_factory=lib.PipelineParams, description=(
         "The pipeline; extract.output_dir must be a folder every node and this flow can read (shared mount)."))
     nodes: int = Field(2, ge=1, le=256, description="Parts of the extraction, one extract run per part.")
-    extract_deployment: str = Field("extract/extract-gpu-process", description=(
+    extract_deployment: str = Field("extract/gpu-process", description=(
         "Deployment (flow/deployment name) that runs one part; its work pool decides where the parts run."))
     part_timeout_s: float | None = Field(None, gt=0, description="Give up waiting for a part after this long.")
 
