@@ -202,4 +202,9 @@ def report(ext: lib.Extraction, prepared: lib.Prepared, counts: lib.Counts, wall
     rows += [(f"skipped: {k}", v) for k, v in sorted(rep["skipped"].items())]
     create_table_artifact([{"metric": k, "value": v} for k, v in rows], key=artifact_key(ext, "summary"),
                           description=f"Extraction {ext.id} ({rep['dir']})")
+    if rep["problems"]:  # what failed validation or prefill this run, per sample (first 200), with the reason
+        create_table_artifact([{k: p.get(k) for k in ("sample_id", "stage", "kind", "message")}
+                               for p in rep["problems"][:200]], key=artifact_key(ext, "problems"),
+                              description=f"Extraction {ext.id}: samples that failed validation or prefill "
+                                          f"({len(rep['problems'])}; quarantined shards keep their reason)")
     return rep

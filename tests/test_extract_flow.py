@@ -131,3 +131,31 @@ def test_flow_sigterm_mid_prefill_ends_the_server_group(prefect_api, tiny_model_
                              {"EAGLENEST_FAULTS": "hang_every=2,hang_s=5"})
     _assert_group_ends(pid)
     assert _flow_state("sig-prefill") in ("CRASHED", "FAILED")
+
+
+def test_failed_samples_are_listed_in_a_problems_table_and_the_run_fails(prefect_api, tiny_model_dir, tmp_path,
+                                                                          capture_servers, monkeypatch):
+    """Requests that keep failing (no retries allowed) end the run Failed, each named with its reason in a
+    table artifact; a re-run without the fault resumes only those samples."""
+    from flows.extract import ExtractionIncomplete, extract
+
+    params = ExtractParams(model=str(tiny_model_dir), limit=60, max_turns=1, max_tokens=384, batch_size=8,
+                           concurrency=2, output_dir=str(tmp_path / "out"), extraction_id="flow-problems",
+                           request_timeout_s=30, shard_wait_s=0.5, max_attempts=1, max_relaunch_rounds=0)
+    ext_dir = open_extraction(params).dir
+    monkeypatch.setenv("EAGLENEST_FAULTS", "fail_every=4,fail_status=500")
+    ((url, _),) = capture_servers(ext_dir / "capture")
+    params = ExtractParams(**{**params.model_dump(), "server_urls": [url]})
+    with pytest.raises(ExtractionIncomplete, match="still pending"):
+        extract(params)
+    report = json.loads((ext_dir / "report.json").read_text())
+    failed = report["run"]["failed"]
+    assert failed > 0 and report["pending"] == failed
+    (table,) = read_artifacts("extract-problems-flow-problems")
+    rows = json.loads(table.data)
+    assert len(rows) == failed and all(r["stage"] == "prefill" and r["kind"] and r["message"] for r in rows)
+    assert {r["sample_id"] for r in rows}.isdisjoint(Ledger(ext_dir).entries())
+    monkeypatch.delenv("EAGLENEST_FAULTS")
+    ((url2, _),) = capture_servers(ext_dir / "capture")
+    again = extract(ExtractParams(**{**params.model_dump(), "server_urls": [url2]}))
+    assert again["run"]["requests"] == failed and again["pending"] == 0
