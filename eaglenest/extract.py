@@ -127,12 +127,19 @@ class Prepared:
     reused: bool = False
 
 
+def partition_of(record_id: str, count: int) -> int:
+    """The part (0 .. count-1) a record belongs to when a source is split over nodes: a stable hash of its id,
+    so every node computes the same split without talking to the others."""
+    return int.from_bytes(hashlib.sha256(record_id.encode()).digest()[:8], "big") % count
+
+
 def prepare_key(ext: Extraction) -> str:
     p = ext.params
     key = {"v": PREPARE_VERSION, "source": source_fingerprint(p.source), "format": p.source_format,
            "limit": p.limit, "max_turns": p.max_turns, "tokenizer": ext.fingerprint["tokenizer_hash"],
            "template": ext.fingerprint["chat_template_hash"], "token_limit": ext.token_limit,
-           "regenerate": p.regeneration.enabled}
+           "regenerate": p.regeneration.enabled,
+           **({"partition": [p.partition_index, p.partition_count]} if p.partition_count > 1 else {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -147,8 +154,11 @@ def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
                             [BadRecord(**b) for b in meta["bad"]], key, reused=True)
     p = ext.params
     source = read_records(p.source, fmt=p.source_format, limit=p.limit)
+    records = source.records
+    if p.partition_count > 1:
+        records = [r for r in records if partition_of(r.id, p.partition_count) == p.partition_index]
     encoder = encoder or ChatEncoder(ext.model_dir)
-    samples, skipped = build_samples(source.records, encoder, max_tokens=ext.token_limit,
+    samples, skipped = build_samples(records, encoder, max_tokens=ext.token_limit,
                                      regenerate=p.regeneration.enabled, max_turns=p.max_turns)
     write_samples(samples_path, samples)
     _write_json(manifest, {"key": key, "samples": len(samples), "skipped": [asdict(s) for s in skipped],

@@ -81,6 +81,11 @@ class ExtractParams(BaseModel):
     embedded_max_batch_size: int = Field(8, ge=1, le=256, description="Embedded server: prefills per forward.")
     min_argmax_agreement: float | None = Field(None, ge=0, le=1, description=(
         "Regenerated samples: reject shards whose LM-head argmax agrees with the tokens less often."))
+    partition_index: int = Field(0, ge=0, le=4095, description=(
+        "This run's part of the source when it is split over several nodes (0-based); see partition_count."))
+    partition_count: int = Field(1, ge=1, le=4096, description=(
+        "Split the source's records into this many disjoint parts by a stable hash of their id; this run "
+        "extracts part partition_index only (1 = the whole source)."))
     store_url: str | None = Field(None, description=(
         "Last step: convert the validated shards into an Arrow-indexed store at this fsspec URL (local path, "
         "file://, memory://, s3://, gs://); skipped when unset or while samples are pending."))
@@ -98,6 +103,9 @@ class ExtractParams(BaseModel):
                              "(the store step copies to object storage)")
         if self.aux_layer_ids is not None and list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
             raise ValueError("aux_layer_ids: must be distinct and increasing")
+        if self.partition_index >= self.partition_count:
+            raise ValueError(f"partition_index: {self.partition_index} is not below partition_count "
+                             f"({self.partition_count})")
         if self.min_argmax_agreement is not None and not self.regeneration.enabled:
             raise ValueError("min_argmax_agreement: only applies with regeneration.enabled")
         return self
@@ -118,6 +126,7 @@ class ExtractParams(BaseModel):
             "aux_layer_ids": list(self.aux_layer_ids) if self.aux_layer_ids is not None else None,
             "max_tokens": self.max_tokens, "context_headroom": self.context_headroom,
             "regeneration": self.regeneration.model_dump() if self.regeneration.enabled else None,
+            **({"partition": [self.partition_index, self.partition_count]} if self.partition_count > 1 else {}),
         }
 
     def resolved_extraction_id(self) -> str:

@@ -1,0 +1,238 @@
+"""The whole pipeline's configuration and its stage book (library side; the flow is ``flows/pipeline.py``).
+
+:class:`PipelineParams` is ONE pydantic model for extract -> convert -> train -> export -> bench: the UI
+renders it as a form and the deployment enforces its schema. Everything a stage needs that an earlier
+stage produces (the store URL, the target, the drafter folder) is derived here, in one place, by
+:meth:`PipelineParams.plan`, so a user sets each thing once.
+
+:class:`StageBook` decides whether a stage may be skipped: each finished stage is recorded in
+``<run_dir>/stages.json`` with a CONTENT key of its inputs (ledger content, store version, training
+config + store fingerprint + target hash, checkpoint weights, bench config + drafter weights) and its
+output; a stage is skipped only when its key is unchanged AND its output still validates (the store
+opens, the checkpoint and export files exist with the recorded hashes, the report is there). Anything
+else runs the stage again, and the stages resume their own partial work (ledger, checkpoints).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eaglenest import contract
+from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
+from eaglenest.extract_config import ExtractParams
+from eaglenest.spec.bench import BenchConfig
+
+Stage = Literal["extract", "convert", "train", "export", "bench"]
+STAGES: tuple[Stage, ...] = ("extract", "convert", "train", "export", "bench")
+
+
+class PipelineTrainParams(TrainConfig):
+    """Training settings; ``store``, ``out_dir`` and ``target`` default to what the pipeline produced."""
+
+    store: str | None = Field(None, description="Store URL (default: the pipeline's store).")  # type: ignore[assignment]
+    out_dir: str | None = Field(None, description="Run folder (default: <run_dir>/train).")  # type: ignore[assignment]
+    target: str | None = Field(None, description="Target model (default: the extraction's model).")  # type: ignore[assignment]
+    max_minutes: float | None = Field(30.0, gt=0, description=(
+        "Wall-clock budget of the training stage in minutes (None: run the whole schedule)."))
+
+
+class PipelineBenchParams(BenchConfig):
+    """Benchmark settings; the target, drafter, engine, store and output default to the pipeline's."""
+
+    draft: str | None = Field(None, description="Drafter folder (default: the pipeline's SGLang export).")  # type: ignore[assignment]
+    model: str | None = Field(None, description="Target (default: the extraction's model).")  # type: ignore[assignment]
+    engine: Literal["embedded", "sglang"] | None = Field(  # type: ignore[assignment]
+        None, description="embedded (CPU) or sglang (GPU); default: the extraction's engine.")
+    output_dir: str | None = Field(None, description="Report folder (default: <run_dir>/bench).")  # type: ignore[assignment]
+    store_url: str | None = Field(None, description="Store for the offline accept length (default: the pipeline's).")
+
+
+class PipelineParams(BaseModel):
+    """extract -> convert -> train -> export -> bench, as one form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_dir: str = Field("runs/pipeline", description=(
+        "Local folder of this pipeline: extractions/, train/, export/, bench/, stages.json."))
+    extract: ExtractParams = Field(default_factory=ExtractParams, description=(
+        "Extraction: source, model, engine, servers, batching (output_dir defaults to <run_dir>/extractions)."))
+    fresh_extraction_id: bool = Field(False, description=(
+        "Give every flow run its own extraction id (scheduled re-extraction); a Retry of the run keeps its "
+        "id and resumes it. Off: the id is a hash of the extraction's content, so a re-run resumes."))
+    store_url: str | None = Field(None, description=(
+        "Store URL (local path, file://, s3://, gs://, memory://); default <run_dir>/store. Credentials come "
+        "from the environment or a Prefect block, never from here."))
+    store_target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Target size of each store data file (MiB).")
+    train: PipelineTrainParams = Field(default_factory=PipelineTrainParams, description="Drafter training.")
+    export_formats: list[Literal["sglang", "speculators"]] = Field(
+        default_factory=lambda: ["sglang", "speculators"], min_length=1,
+        description="sglang: --speculative-algorithm EAGLE3 folder (benchmarked); speculators: vLLM's layout.")
+    export_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Exported weight dtype.")
+    bench: PipelineBenchParams = Field(default_factory=PipelineBenchParams, description=(
+        "Speculative-decoding benchmark (baseline vs EAGLE3) and its speedup gate."))
+    stop_after: Stage = Field("bench", description="Last stage to run (e.g. 'export' on a machine without servers).")
+
+    def plan(self, run_tag: str | None = None) -> PipelinePlan:
+        """The concrete configuration of every stage. ``run_tag`` names this flow run's extraction when
+        ``fresh_extraction_id`` is on (the flow passes one that survives a retry)."""
+        root = Path(self.run_dir).expanduser().resolve()
+        ext_updates: dict[str, Any] = {"store_url": None}
+        if "output_dir" not in self.extract.model_fields_set:
+            ext_updates["output_dir"] = str(root / "extractions")
+        if self.fresh_extraction_id:
+            if not run_tag:
+                raise ValueError("fresh_extraction_id: needs a run tag (the flow run's id and start time)")
+            ext_updates["extraction_id"] = run_tag
+        extract = ExtractParams.model_validate({**self.extract.model_dump(), **ext_updates})
+        store_url = self.store_url or str(root / "store")
+        t = self.train.model_dump(exclude={"store", "out_dir", "target"})
+        train = TrainConfig(store=self.train.store or store_url, out_dir=self.train.out_dir or str(root / "train"),
+                            target=self.train.target or extract.model, **t)
+        export_dirs = {fmt: str(root / "export" / fmt) for fmt in self.export_formats}
+        b = self.bench.model_dump(exclude={"draft", "model", "engine", "output_dir", "store_url"})
+        # the offline accept length must be measured on the drafter's own held-out split
+        if "heldout_fraction" not in self.bench.model_fields_set:
+            b["heldout_fraction"] = max(train.eval_fraction, 1e-6)
+        if "offline_max_samples" not in self.bench.model_fields_set:
+            b["offline_max_samples"] = max(train.eval_max_samples, 1)
+        bench = BenchConfig(draft=self.bench.draft or export_dirs.get("sglang") or str(root / "export" / "sglang"),
+                            model=self.bench.model or extract.model, engine=self.bench.engine or extract.engine,
+                            output_dir=self.bench.output_dir or str(root / "bench"),
+                            store_url=self.bench.store_url or store_url, **b)
+        stages = STAGES[: STAGES.index(self.stop_after) + 1]
+        return PipelinePlan(root, extract, store_url, self.store_target_file_mb, train, export_dirs,
+                            self.export_dtype, bench, stages)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    run_dir: Path
+    extract: ExtractParams
+    store_url: str
+    store_target_file_mb: int
+    train: TrainConfig
+    export_dirs: dict[str, str]
+    export_dtype: str
+    bench: BenchConfig
+    stages: tuple[Stage, ...]
+
+    @property
+    def extraction_dir(self) -> Path:
+        return Path(self.extract.output_path).expanduser().resolve() / self.extract.resolved_extraction_id()
+
+
+def fresh_run_tag(flow_run_id: str, scheduled: datetime | None) -> str:
+    """An extraction id for one flow run of a scheduled re-extraction (stable across the run's retries)."""
+    when = (scheduled or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"re-{when}-{flow_run_id.replace('-', '')[:8]}"
+
+
+# ------------------------------------------------------------------------------ content keys
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def extraction_key(plan: PipelinePlan) -> str:
+    return _sha({"id": plan.extract.resolved_extraction_id(), "identity": plan.extract.identity()})
+
+
+def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str:
+    """The validated samples (ids, shard hashes, loss spans) and where they go."""
+    from eaglenest.ledger import Ledger
+
+    h = hashlib.sha256(json.dumps([store_url, target_file_mb]).encode())
+    for sid, e in sorted(Ledger(extraction_dir).entries().items()):
+        h.update(json.dumps([sid, e.sha256, e.loss_spans]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def train_key(config: TrainConfig) -> str:
+    """What the drafter is computed from: the config (minus pacing fields), the store's content, the target."""
+    from eaglenest import models as model_lib
+    from eaglenest.drafter.data import open_store
+    from eaglenest.drafter.train import store_fingerprint
+
+    view = {k: v for k, v in config.drift_view().items() if k not in RESUME_MUTABLE}
+    return _sha({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_store(config.store)),
+                 "target": model_lib.model_fingerprint(model_lib.resolve_model(config.target))["model_hash"]})
+
+
+def latest_checkpoint_sha(run_dir: str) -> str | None:
+    from eaglenest.drafter.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(run_dir).latest()
+    return file_sha256(ckpt / "model.safetensors") if ckpt is not None else None
+
+
+def bench_key(config: BenchConfig) -> str:
+    weights = Path(config.draft) / "model.safetensors"
+    return _sha({"config": config.model_dump(mode="json"),
+                 "draft": file_sha256(weights) if weights.is_file() else None})
+
+
+# ------------------------------------------------------------------------------ the stage book
+class StageBook:
+    """``<run_dir>/stages.json``: per stage, the content key it was computed for and its output."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "stages.json"
+
+    def read(self) -> dict[str, dict]:
+        if not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # unreadable book: every stage runs again (and resumes its own work)
+        return data if isinstance(data, dict) else {}
+
+    def done(self, stage: Stage, key: str) -> dict | None:
+        """The recorded output of ``stage`` when it was computed for ``key`` and still validates."""
+        rec = self.read().get(stage)
+        if not rec or rec.get("key") != key:
+            return None
+        return rec if output_valid(stage, rec.get("output") or {}) else None
+
+    def record(self, stage: Stage, key: str, output: dict) -> None:
+        book = self.read()
+        book[stage] = {"key": key, "output": output, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        contract.atomic_write_bytes(self.path, json.dumps(book, indent=1, sort_keys=True, default=str).encode())
+
+
+def output_valid(stage: Stage, out: dict) -> bool:
+    """Does a recorded stage output still exist and check out? Cheap checks, no full re-verification."""
+    try:
+        if stage == "extract":
+            rep = json.loads((Path(out["dir"]) / "report.json").read_text())
+            return bool(rep.get("complete")) and not rep.get("pending") and rep.get("done") == out.get("done")
+        if stage == "convert":
+            from eaglenest.store import open_store
+
+            return len(open_store(out["url"])) == out["samples"]
+        if stage == "train":
+            return (Path(out["run_dir"]) / "result.json").is_file() and \
+                latest_checkpoint_sha(out["run_dir"]) == out["checkpoint_sha256"]
+        if stage == "export":
+            return all(file_sha256(Path(d) / "model.safetensors") == sha for d, sha in out["files"].items())
+        if stage == "bench":
+            return (Path(out["output_dir"]) / "report.json").is_file()
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # ContractError, StoreError included
+        return False
+    return False

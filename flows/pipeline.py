@@ -1,0 +1,239 @@
+"""The ``pipeline`` flow: extract -> convert -> train -> export -> bench, and its fan-out over nodes.
+
+Composition only: the stages are the ``extract`` and ``bench`` flows (as subflows, so each shows in the
+UI with its own artifacts) and the store / train tasks; :class:`eaglenest.pipeline.StageBook` skips a
+stage whose output for the same inputs exists and validates, so a re-run of a finished pipeline does no
+engine work, and a Retry of a failed one resumes at the failed stage (which resumes its own work: the
+extraction's ledger, the trainer's checkpoints).
+
+``pipeline-fanout`` splits the extraction over N nodes: one ``extract`` deployment run per part
+(``run_deployment``; each node launches its own servers), then converts every part into one store
+version and trains / exports / benchmarks here. The parts' extraction folders must be readable from
+where this flow runs (a shared mount such as NFS / Lustre / a bucket fuse mount).
+
+``python -m flows.pipeline --demo`` runs the whole pipeline on the embedded default (``make demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from eaglenest import pipeline as lib
+from eaglenest.extract_config import ExtractParams
+from flows.bench import bench
+from flows.extract import extract
+from tasks.store import convert_to_store
+from tasks.train import export_task, train_drafter, training_report
+
+
+def _run_tag() -> str | None:
+    rid = flow_run.id
+    return lib.fresh_run_tag(str(rid), flow_run.scheduled_start_time) if rid else None
+
+
+def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    key = lib.extraction_key(plan)
+    if (rec := book.done("extract", key)) is not None:
+        log.info("extract: skipped (extraction %s complete: %d samples)", plan.extract.resolved_extraction_id(),
+                 rec["output"]["done"])
+        return {**rec["output"], "skipped": True}
+    rep = extract(plan.extract)
+    out = {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
+    book.record("extract", key, out)
+    return {**out, "skipped": False}
+
+
+def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log) -> dict:
+    key = lib._sha([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
+    if (rec := book.done("convert", key)) is not None:
+        log.info("convert: skipped (store %s holds the same %d samples)", plan.store_url, rec["output"]["samples"])
+        return {**rec["output"], "skipped": True}
+    summary: dict = {}
+    for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
+        summary = convert_to_store(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
+    out = {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
+           "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
+    book.record("convert", key, out)
+    return {**out, "skipped": False}
+
+
+def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    key = lib.train_key(plan.train)
+    if (rec := book.done("train", key)) is not None:
+        log.info("train: skipped (%s already trained on this store)", plan.train.out_dir)
+        return {**rec["output"], "skipped": True}
+    result = train_drafter(plan.train)
+    png = training_report(plan.train.out_dir, result)
+    ev = result.get("eval") or {}
+    out = {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
+           "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
+           "accept_length": ev.get("accept_length"), "loss_curve": png,
+           "checkpoint_sha256": lib.latest_checkpoint_sha(plan.train.out_dir)}
+    book.record("train", key, out)
+    return {**out, "skipped": False}
+
+
+def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    key = lib._sha({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
+                    "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
+    if (rec := book.done("export", key)) is not None:
+        log.info("export: skipped (%s up to date)", ", ".join(plan.export_dirs.values()))
+        return {**rec["output"], "skipped": True}
+    files = {}
+    for fmt, d in plan.export_dirs.items():
+        folder = export_task(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
+        files[folder] = lib.file_sha256(Path(folder) / "model.safetensors")
+    out = {"dirs": plan.export_dirs, "files": files}
+    book.record("export", key, out)
+    return {**out, "skipped": False}
+
+
+def _bench_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    key = lib.bench_key(plan.bench)
+    if (rec := book.done("bench", key)) is not None:
+        log.info("bench: skipped (report for this drafter and config in %s)", plan.bench.output_dir)
+        return {**rec["output"], "skipped": True}
+    res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
+    out = {"output_dir": plan.bench.output_dir, "speedups": res["speedups"], "accept_length": res["accept_length"],
+           "gate": res["gate"]}
+    book.record("bench", key, out)
+    return {**out, "skipped": False}
+
+
+def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log,
+                      summary: dict) -> dict:
+    steps = [("convert", lambda: _convert_stage(plan, extraction_dirs, book, log)),
+             ("train", lambda: _train_stage(plan, book, log)),
+             ("export", lambda: _export_stage(plan, book, log)),
+             ("bench", lambda: _bench_stage(plan, book, log))]
+    for name, run in steps:
+        if name not in plan.stages:
+            break
+        t0 = time.perf_counter()
+        summary[name] = run()
+        summary[name]["seconds"] = round(time.perf_counter() - t0, 1)
+    (plan.run_dir / "pipeline.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+@flow(name="pipeline", validate_parameters=True, log_prints=True)
+def pipeline(params: lib.PipelineParams = lib.PipelineParams()) -> dict:
+    """extract -> convert -> train -> export -> bench; stages already done for the same inputs are skipped."""
+    log = get_run_logger()
+    plan = params.plan(_run_tag() if params.fresh_extraction_id else None)
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    book = lib.StageBook(plan.run_dir)
+    t0 = time.perf_counter()
+    summary: dict = {"run_dir": str(plan.run_dir), "extraction_id": plan.extract.resolved_extraction_id()}
+    summary["extract"] = _extract_stage(plan, book, log)
+    summary["extract"]["seconds"] = round(time.perf_counter() - t0, 1)
+    return _after_extraction(plan, [summary["extract"]["dir"]], book, log, summary)
+
+
+class FanoutParams(BaseModel):
+    """The pipeline with its extraction split over several nodes (each runs the ``extract`` deployment)."""
+
+    pipeline: lib.PipelineParams = Field(default_factory=lib.PipelineParams, description=(
+        "The pipeline; extract.output_dir must be a folder every node and this flow can read (shared mount)."))
+    nodes: int = Field(2, ge=1, le=256, description="Parts of the extraction, one extract run per part.")
+    extract_deployment: str = Field("extract/extract-gpu-process", description=(
+        "Deployment (flow/deployment name) that runs one part; its work pool decides where the parts run."))
+    part_timeout_s: float | None = Field(None, gt=0, description="Give up waiting for a part after this long.")
+
+
+@flow(name="pipeline-fanout", validate_parameters=True, log_prints=True)
+def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
+    """Partition extraction over N nodes with run_deployment, then convert all parts, train, export, bench."""
+    from prefect.deployments import run_deployment
+
+    log = get_run_logger()
+    plan = params.pipeline.plan(_run_tag() if params.pipeline.fresh_extraction_id else None)
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    book = lib.StageBook(plan.run_dir)
+    base = plan.extract.resolved_extraction_id()
+    parts = [ExtractParams.model_validate({**plan.extract.model_dump(), "partition_index": i,
+                                           "partition_count": params.nodes,
+                                           "extraction_id": f"{base}-p{i}of{params.nodes}"})
+             for i in range(params.nodes)]
+
+    def one(part: ExtractParams):
+        return run_deployment(params.extract_deployment, parameters={"params": part.model_dump(mode="json")},
+                              timeout=params.part_timeout_s, as_subflow=True,
+                              flow_run_name=f"{base}-part-{part.partition_index}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(params.nodes, 32)) as pool:
+        runs = list(pool.map(one, parts))
+    failed = [(p.partition_index, r.state.type.value if r.state else "unknown")
+              for p, r in zip(parts, runs, strict=True) if not (r.state and r.state.is_completed())]
+    if failed:
+        raise RuntimeError(f"extraction parts did not complete: {failed} (part, state); retry this run to resume "
+                           "them (each part resumes its own ledger)")
+    dirs = [str(Path(p.output_path).expanduser().resolve() / p.resolved_extraction_id()) for p in parts]
+    summary: dict = {"run_dir": str(plan.run_dir), "extraction_id": base, "parts": dirs,
+                     "extract": {"seconds": round(time.perf_counter() - t0, 1), "runs": [str(r.id) for r in runs]}}
+    log.info("all %d parts complete; converting into %s", params.nodes, plan.store_url)
+    return _after_extraction(plan, dirs, book, log, summary)
+
+
+# ------------------------------------------------------------------------------ make demo
+def demo_params(out: str = "runs/demo", prompts: int = 48) -> lib.PipelineParams:
+    """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores."""
+    return lib.PipelineParams.model_validate({
+        "run_dir": out,
+        "extract": {"source": "sharegpt", "limit": prompts, "max_turns": 1, "max_tokens": 384, "batch_size": 16,
+                    "concurrency": 4, "embedded_max_batch_size": 4, "extraction_id": f"demo-{prompts}"},
+        "train": {"max_tokens": 2048, "max_seq_len": 384, "epochs": 40, "ttt_steps": 3, "draft_vocab_size": 4096,
+                  "max_minutes": 3.0, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
+                  "eval_fraction": 0.1, "lr": 2e-3, "init": "target"},
+        "export_formats": ["sglang"],
+        "bench": {"num_prompts": 6, "max_new_tokens": 48, "concurrencies": [1], "target_concurrency": 1,
+                  "min_speedup": 0.0, "num_steps": 3},
+    })
+
+
+def _headline(summary: dict) -> str:
+    ex, st, tr, be = (summary.get(k) or {} for k in ("extract", "convert", "train", "bench"))
+    acc = (tr.get("accept_length") or {})
+    lines = [f"run folder:  {summary['run_dir']}",
+             f"extraction:  {ex.get('dir')} ({ex.get('done')} samples, {ex.get('seconds')} s)",
+             f"store:       {st.get('url')} (version {st.get('version')}, {st.get('samples')} samples)",
+             f"drafter:     {summary.get('export', {}).get('dirs')} (trained {tr.get('step')} steps, "
+             f"{tr.get('seconds')} s; held-out accept length {acc})",
+             f"bench:       {be.get('output_dir')}/report.md  speedups {be.get('speedups')}  "
+             f"accept length {be.get('accept_length')}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo", action="store_true", help="the embedded default at demo size (make demo)")
+    ap.add_argument("--out", default="runs/demo", help="run folder for --demo")
+    ap.add_argument("--prompts", type=int, default=48, help="ShareGPT prompts for --demo")
+    ap.add_argument("--params", help="PipelineParams as JSON (a file path or the JSON itself)")
+    a = ap.parse_args(argv)
+    if a.params:
+        text = Path(a.params).read_text() if Path(a.params).is_file() else a.params
+        params = lib.PipelineParams.model_validate_json(text)
+    elif a.demo:
+        params = demo_params(a.out, a.prompts)
+    else:
+        ap.error("give --demo or --params")
+    t0 = time.perf_counter()
+    summary = pipeline(params)
+    print("\n== eaglenest pipeline done in %.0f s" % (time.perf_counter() - t0))
+    print(_headline(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
