@@ -168,15 +168,20 @@ def test_pools_and_deployments_are_as_the_yaml_says(stack):
 
     again = subprocess.run([sys.executable, "deployments/setup_pools.py"], cwd=ROOT, env=stack.env,
                            capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0 and again.stdout.count("unchanged") == 2, again.stdout + again.stderr
+    assert again.returncode == 0 and again.stdout.count("unchanged") == 3, again.stdout + again.stderr
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     with stack.client() as c:
         pools = {p: c.read_work_pool(p) for p in ("gpu-process", "gpu-docker")}
         assert {p.concurrency_limit for p in pools.values()} == {1}
+        assert c.read_work_pool("eaglenest-control").concurrency_limit is None  # fan-out waits there, unlimited
         assert pools["gpu-docker"].type == "docker" and pools["gpu-process"].type == "process"
         deployed = {f"{_flow_name(x)}/{x['name']}": c.read_deployment_by_name(f"{_flow_name(x)}/{x['name']}")
                     for x in spec["deployments"] if (ROOT / x["entrypoint"].split(":")[0]).is_file()}
-    assert {"extract/gpu-process", "extract/gpu-docker", "train/gpu-docker", "bench/gpu-process"} <= set(deployed)
+    assert {"extract/gpu-process", "extract/gpu-docker", "train/gpu-docker", "bench/gpu-process",
+            "pipeline/gpu-process", "pipeline/gpu-docker", "pipeline-fanout/control"} <= set(deployed)
+    weekly = deployed["pipeline/reextract-weekly"]
+    assert weekly.parameters == {"params": {"fresh_extraction_id": True}}
+    assert [(s.schedule.cron, s.active) for s in weekly.schedules] == [("0 3 * * 0", False)]  # off until configured
     assert all(d.enforce_parameter_schema for d in deployed.values())
     docker_dep = deployed["extract/gpu-docker"]
     assert docker_dep.work_pool_name == "gpu-docker" and docker_dep.pull_steps == [
@@ -235,3 +240,103 @@ def test_planted_extraction_failure_then_ui_retry_resumes_without_redoing_batche
     with stack.client() as c:
         states = [s.name for s in c.read_flow_run_states(run_id)]
     assert "AwaitingRetry" in states and states[-1] == "Completed"  # one flow run, retried in place
+
+
+def _pipeline_params(model_dir, run_dir: Path) -> dict:
+    """The whole pipeline on the embedded default at tiny size (tiny random Llama, ~12 real ShareGPT prompts)."""
+    return {"params": {
+        "run_dir": str(run_dir),
+        "extract": {"model": str(model_dir), "limit": 60, "max_turns": 1, "max_tokens": 384, "batch_size": 4,
+                    "concurrency": 2, "dtype": "float32", "request_timeout_s": 30, "launch_timeout_s": 120,
+                    "shard_wait_s": 1, "extraction_id": "e2e-pipe"},
+        "train": {"max_steps": 4, "max_tokens": 1024, "max_seq_len": 384, "draft_vocab_size": 128, "ttt_steps": 2,
+                  "eval_every": 0, "save_every": 2, "eval_max_samples": 2, "eval_fraction": 0.25, "device": "cpu",
+                  "precision": "fp32", "threads": 1, "max_minutes": None},
+        "export_formats": ["sglang"],
+        "bench": {"num_prompts": 2, "max_new_tokens": 8, "ignore_eos": True, "concurrencies": [1, 2],
+                  "target_concurrency": 1, "min_speedup": 0.0, "dtype": "float32", "threads": 1,
+                  "ready_timeout_s": 120},
+    }}
+
+
+def _flow_pid(stack: Stack, run_id: str, timeout_s: float = 60) -> int:
+    """The flow-run process's PID, as the process worker records it (infrastructure_pid = "<host>:<pid>")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with stack.client() as c:
+            infra = c.read_flow_run(run_id).infrastructure_pid
+        if infra:
+            return int(str(infra).rsplit(":", 1)[-1])
+        time.sleep(0.2)
+    pytest.fail(f"the worker never recorded the flow run's pid:\n{_tail(stack.logs / 'worker.log')}")
+
+
+def _states(stack: Stack, run_id: str) -> str:
+    """The run's and its subflows' state history (for failure messages)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with stack.client() as c:
+        runs = [c.read_flow_run(run_id), *c.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))]
+        return "\n".join(f"{r.name} ({r.id}): " + " -> ".join(f"{s.name}[{(s.message or '')[:300]}]"
+                                                            for s in c.read_flow_run_states(r.id)) for r in runs)
+
+
+def _group_gone(pid: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artifacts(stack, tiny_model_dir, tmp_path):
+    """c (row 26): the pipeline's flow process gets SIGTERM once the extraction has ledgered some samples -> the
+    run is Crashed (read through the API) and the servers it launched are gone (row 25); then a run_deployment
+    of the same parameters completes every stage, resuming the extraction (no ledgered sample is requested
+    again), and publishes its artifacts: extraction progress at 100 %, tables, PNG plots."""
+    params = _pipeline_params(tiny_model_dir, tmp_path / "run")
+    ext_dir = tmp_path / "run" / "extractions" / "e2e-pipe"
+    run_id = stack.start("pipeline/gpu-process", params)
+    pid = _flow_pid(stack, run_id)
+    deadline = time.monotonic() + 180
+    while not (ext_dir / "ledger.jsonl").is_file() or not ledger_ids(ext_dir):
+        assert stack.state(run_id).type.value not in FINAL, "the run ended before it could be killed mid-extraction"
+        assert time.monotonic() < deadline, "no sample ledgered in 180 s:\n" + _tail(stack.logs / "worker.log")
+        time.sleep(0.1)
+    server_pids = json.loads((ext_dir / "servers.json").read_text())["pids"]
+    os.kill(pid, signal.SIGTERM)
+    assert stack.wait(run_id, timeout_s=60) == "CRASHED", _states(stack, run_id)
+    assert server_pids and all(_group_gone(p) for p in server_pids)  # no orphaned capture server
+    kept = len(ledger_ids(ext_dir))
+
+    again = stack.start("pipeline/gpu-process", params)
+    assert stack.wait(again, timeout_s=420) == "COMPLETED", _tail(stack.logs / "worker.log")
+    summary = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    assert [summary[s]["skipped"] for s in ("extract", "convert", "train", "export", "bench")] == [False] * 5
+    report = json.loads((ext_dir / "report.json").read_text())
+    assert report["complete"] and report["run"]["requests"] <= report["samples"] - kept  # resumed, nothing redone
+    ids = ledger_ids(ext_dir)
+    assert len(ids) == len(set(ids)) == report["samples"] == summary["convert"]["samples"]
+    assert summary["bench"]["speedups"] and (tmp_path / "run" / "export" / "sglang" / "model.safetensors").is_file()
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with stack.client() as c:
+        children = c.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[again])))
+    runs = [again, *(str(r.id) for r in children)]
+    arts = [a for r in runs for a in stack.artifacts(r)]
+    by_type: dict[str, list] = {}
+    for a in arts:
+        by_type.setdefault(a.type, []).append(a)
+    progress = [a for a in by_type.get("progress", []) if a.key == "extract-progress-e2e-pipe"]
+    assert progress and float(progress[-1].data) == pytest.approx(100.0)
+    tables = {a.key for a in by_type.get("table", [])}
+    assert {"extract-summary-e2e-pipe", "drafter-training", "spec-bench-grid"} <= tables
+    images = by_type.get("image", [])
+    assert {"drafter-loss-curve"} <= {a.key for a in images} and len(images) >= 2  # loss curve + bench plots
+    assert all(str(a.data).startswith("data:image/png;base64,") for a in images)
