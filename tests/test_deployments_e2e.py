@@ -1,7 +1,8 @@
 """The repository's deployments end to end: a real `prefect server start`, the pool script, `prefect deploy`
 of deployments/prefect.yaml, a process worker, and runs started through the API (issue 8; rows 24, 26).
 
-One module-scoped stack (server ~10 s, deploy ~10 s, worker ~2 s). It does NOT use the session
+One module-scoped stack (server ~10 s, deploy ~10 s, worker ~2 s); default tests ~90 s in all, the pipeline
+test (a + c of issue 8) is marked slow (~85 s more). It does NOT use the session
 ``prefect_api`` fixture: its own server's URL is set for this module through ``temporary_settings`` (client
 calls here) and the subprocesses' environment. Faults are planted with a gate file
 (``EAGLENEST_FAULTS=...,gate=PATH`` in the worker's environment, inherited by the servers the flows launch),
@@ -293,6 +294,7 @@ def _group_gone(pid: int, within_s: float = 30) -> bool:
     return False
 
 
+@pytest.mark.slow  # ~85 s more on 2 busy cores: the whole pipeline (extract, convert, train, export, bench) twice
 def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artifacts(stack, tiny_model_dir, tmp_path):
     """c (row 26): the pipeline's flow process gets SIGTERM once the extraction has ledgered some samples -> the
     run is Crashed (read through the API) and the servers it launched are gone (row 25); then a run_deployment
