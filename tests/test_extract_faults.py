@@ -224,3 +224,45 @@ def test_server_without_capture_block_is_refused_or_reported_missing(tiny_extrac
     assert all("capture missing" in p["message"] for p in report["problems"])
     sg_dir = open_extraction(sg).dir
     assert not (sg_dir / "ledger.jsonl").exists() or ledger_ids(sg_dir) == []
+
+
+def _drive(middleware, n):
+    """Send ``n`` POST /generate requests through ``middleware``; return their status codes."""
+    import asyncio
+
+    async def one():
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(msg):
+            sent.append(msg)
+
+        await middleware({"type": "http", "method": "POST", "path": "/generate"}, receive, send)
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    return [asyncio.run(one()) for _ in range(n)]
+
+
+def test_fault_gate_applies_faults_only_while_the_gate_file_exists(tmp_path):
+    from eaglenest.engines.faults import FaultMiddleware, Faults
+
+    async def ok_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    gate = tmp_path / "gate"
+    faults = Faults.parse(f"fail_every=2,fail_status=500,gate={gate}")
+    assert faults.gate == str(gate) and faults.fail_every == 2 and not faults.active
+    mw = FaultMiddleware(ok_app, faults)
+    assert _drive(mw, 3) == [200, 200, 200]  # no gate file: untouched and not counted
+    gate.touch()
+    assert _drive(mw, 4) == [200, 500, 200, 500]  # planted: every 2nd request from the plant on
+    gate.unlink()
+    assert _drive(mw, 3) == [200, 200, 200]  # lifted
+    gate.touch()
+    assert _drive(mw, 2) == [200, 500]  # re-planted: counting restarts
+    assert _drive(FaultMiddleware(ok_app, Faults.parse("fail_every=2")), 2) == [200, 503]  # no gate: always on
+    with pytest.raises(ValueError, match="gate needs a file path"):
+        Faults.parse("fail_every=2,gate=")

@@ -9,6 +9,10 @@ counted (1, 2, 3, ...; the launcher's readiness probe included):
   503 without being served (the client's timeout fires first: a hung server that never does the work).
 - ``exit_after=N``: request N + 1 ends the whole process at once (``os._exit(17)``), in-flight requests
   included (a crash mid-batch). Use it only in a subprocess server.
+- ``gate=PATH``: the faults above apply only while the file PATH exists; requests arriving while it is
+  absent pass through untouched and are not counted (so a test can plant a failure, then lift it before
+  a retry without changing the run's parameters or environment). The count restarts at 1 each time
+  the gate is planted again. Checked per request (one ``stat``).
 
 Without the variable nothing is wrapped. Nothing here is used in production paths.
 """
@@ -30,15 +34,26 @@ class Faults:
     hang_every: int = 0
     hang_s: float = 3600.0
     exit_after: int = 0
+    gate: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the faults apply now (always without a gate; else while the gate file exists)."""
+        return self.gate is None or os.path.exists(self.gate)
 
     @classmethod
     def parse(cls, text: str) -> Faults:
-        kwargs: dict[str, float | int] = {}
+        kwargs: dict[str, float | int | str] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key not in cls.__dataclass_fields__:
                 raise ValueError(f"{ENV}: unknown fault {key!r} (known: {', '.join(cls.__dataclass_fields__)})")
-            kwargs[key] = float(value) if key == "hang_s" else int(value)
+            if key == "gate":
+                if not value:
+                    raise ValueError(f"{ENV}: gate needs a file path (gate=/path/to/file)")
+                kwargs[key] = value
+            else:
+                kwargs[key] = float(value) if key == "hang_s" else int(value)
         return cls(**kwargs)
 
     @classmethod
@@ -51,10 +66,17 @@ class FaultMiddleware:
     """Pure ASGI middleware applying :class:`Faults` to ``POST /generate``."""
 
     def __init__(self, app, faults: Faults) -> None:
-        self.app, self.faults, self.count = app, faults, 0
+        self.app, self.faults, self.count, self.was_active = app, faults, 0, False
 
     async def __call__(self, scope, receive, send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") != "/generate":
+            await self.app(scope, receive, send)
+            return
+        active = self.faults.active
+        if active and not self.was_active:
+            self.count = 0  # a (re)planted gate starts counting afresh
+        self.was_active = active
+        if not active:
             await self.app(scope, receive, send)
             return
         self.count += 1
