@@ -114,14 +114,24 @@ def stop_servers(pool: ServerPool) -> None:
 
 @contextlib.contextmanager
 def serving(ext: lib.Extraction) -> Iterator[ServerPool]:
-    """Servers for the duration of the block; their process groups end on every exit path."""
+    """Servers for the duration of the block; their process groups end on every exit path.
+
+    On an error, a cancellation or a termination signal the groups are ended WITHOUT Prefect calls (the run
+    may be going down with its API connection) and nothing raised by that cleanup replaces the original
+    exception: a SIGTERMed run must end Crashed, not Failed by a cleanup error (RELIABILITY row 26)."""
     pool: ServerPool | None = None
     try:
         pool = launch_servers(ext)
         yield pool
-    finally:
+    except BaseException:
         if pool is not None:
-            stop_servers(pool)
+            with contextlib.suppress(Exception):
+                pool.stop()
+        with contextlib.suppress(Exception):
+            teardown_servers(ext.dir)
+        raise
+    else:
+        stop_servers(pool)
         teardown_servers(ext.dir)
 
 
