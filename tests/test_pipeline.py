@@ -121,3 +121,41 @@ def test_pipeline_runs_every_stage_then_skips_them_all(prefect_api, tiny_model_d
     assert (changed["extract"]["skipped"], changed["convert"]["skipped"]) == (True, True)
     assert (changed["train"]["skipped"], changed["export"]["skipped"]) == (False, False)
     assert "bench" not in changed
+
+
+def test_fanout_partitions_the_extraction_and_merges_the_parts_into_one_store(prefect_api, tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """pipeline-fanout with run_deployment replaced by a local run of the extract flow (the live deployment path
+    is covered by tests/test_deployments_e2e.py): N disjoint parts, one store version holding all of them."""
+    import threading
+    from types import SimpleNamespace
+    from uuid import uuid4
+
+    import prefect.deployments
+
+    from eaglenest.store import open_store
+    from flows.extract import extract
+    from flows.pipeline import FanoutParams, pipeline_fanout
+
+    calls, lock = [], threading.Lock()
+
+    def fake_run_deployment(name, parameters=None, **kwargs):
+        with lock:
+            calls.append((name, parameters["params"]["partition_index"], parameters["params"]["partition_count"]))
+        state = extract(ExtractParams.model_validate(parameters["params"]), return_state=True)
+        return SimpleNamespace(id=uuid4(), state=state)
+
+    monkeypatch.setattr(prefect.deployments, "run_deployment", fake_run_deployment)
+    base = _tiny_pipeline(tiny_model_dir, tmp_path)
+    params = FanoutParams(pipeline=base.model_copy(update={"stop_after": "convert"}), nodes=3,
+                          extract_deployment="extract/gpu-process")
+    out = pipeline_fanout(params)
+    assert sorted(calls) == [("extract/gpu-process", i, 3) for i in range(3)]
+    parts = [json.loads((tmp_path / "run" / "extractions" / f"tiny-p{i}of3" / "report.json").read_text())
+             for i in range(3)]
+    assert all(p["complete"] and p["done"] > 0 for p in parts)
+    store = open_store(out["convert"]["url"], verify=True)
+    assert len(store) == sum(p["done"] for p in parts) == out["convert"]["samples"]
+    assert len(set(store.sample_ids)) == len(store)  # disjoint parts: no sample twice
+    whole = prepare(open_extraction(base.plan().extract)).samples
+    assert sorted(store.sample_ids) == sorted(s.sample_id for s in whole)  # and together: the whole source
