@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -137,3 +138,12 @@ class Ledger:
             r.seek(-1, os.SEEK_END)
             if r.read(1) != b"\n":
                 f.write("\n")
+
+
+def content_key(extraction_dir: str | Path, config: object) -> str:
+    """sha256 of ``config`` (JSON) and every validated sample's id, shard sha256 and loss spans: what a
+    conversion of this ledger computes from (never the folder's path, so a moved extraction keeps its key)."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for sid, e in sorted(Ledger(extraction_dir).entries().items()):
+        h.update(json.dumps([sid, e.sha256, e.loss_spans]).encode() + b"\n")
+    return h.hexdigest()

@@ -154,12 +154,9 @@ def extraction_key(plan: PipelinePlan) -> str:
 
 def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str:
     """The validated samples (ids, shard hashes, loss spans) and where they go."""
-    from eaglenest.ledger import Ledger
+    from eaglenest.ledger import content_key
 
-    h = hashlib.sha256(json.dumps([store_url, target_file_mb]).encode())
-    for sid, e in sorted(Ledger(extraction_dir).entries().items()):
-        h.update(json.dumps([sid, e.sha256, e.loss_spans]).encode() + b"\n")
-    return h.hexdigest()
+    return content_key(extraction_dir, [store_url, target_file_mb])
 
 
 def train_key(config: TrainConfig) -> str:

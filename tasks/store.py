@@ -8,30 +8,21 @@ returns the earlier summary without touching storage; ``convert`` itself is idem
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 
-from eaglenest.ledger import Ledger
+from eaglenest.ledger import content_key
 from eaglenest.store import StoreError, convert
 
 _TRANSIENT = (ConnectionError, TimeoutError)
 
 
-def ledger_content_key(extraction_dir: str, config: dict[str, Any]) -> str:
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for sid, e in sorted(Ledger(extraction_dir).entries().items()):
-        h.update(json.dumps([sid, e.sha256, e.loss_spans]).encode() + b"\n")
-    return h.hexdigest()
-
-
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     config = {k: parameters.get(k) for k in ("url", "target_file_bytes", "append")}
-    return "store-convert-" + ledger_content_key(parameters["extraction_dir"], config)
+    return "store-convert-" + content_key(parameters["extraction_dir"], config)
 
 
 def _retryable(task, task_run, state) -> bool:

@@ -24,12 +24,11 @@ from prefect.artifacts import (
 )
 from prefect.context import TaskRunContext
 
-from eaglenest import models as model_lib
-from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
-from eaglenest.drafter.data import open_store
+from eaglenest import pipeline as pipeline_lib
+from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.export import export_drafter
 from eaglenest.drafter.report import plot_loss_curve, summary_rows
-from eaglenest.drafter.train import store_fingerprint, train
+from eaglenest.drafter.train import train
 
 _RETRYABLE = (ConnectionError, TimeoutError)
 
@@ -40,12 +39,7 @@ def _retryable(task, task_run, state) -> bool:
 
 
 def train_key(config: TrainConfig) -> str:
-    view = {k: v for k, v in config.drift_view().items() if k not in RESUME_MUTABLE}
-    view["out_dir"] = config.out_dir  # where the result lives (an output, not an input)
-    h = hashlib.sha256(json.dumps(view, sort_keys=True).encode())
-    h.update(store_fingerprint(open_store(config.store)).encode())
-    h.update(model_lib.model_fingerprint(model_lib.resolve_model(config.target))["model_hash"].encode())
-    return "train-drafter-" + h.hexdigest()
+    return "train-drafter-" + pipeline_lib.train_key(config)
 
 
 def _train_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -92,10 +86,7 @@ def training_report(run_dir: str, result: dict) -> str:
 
 
 def _export_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    from eaglenest.drafter.checkpoint import CheckpointManager
-
-    ckpt = CheckpointManager(parameters["run_dir"]).latest()
-    weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest() if ckpt else "none"
+    weights = pipeline_lib.latest_checkpoint_sha(parameters["run_dir"]) or "none"
     rest = json.dumps({k: parameters.get(k) for k in ("out_dir", "fmt", "dtype", "speculative_tokens")})
     return "export-drafter-" + hashlib.sha256((weights + rest).encode()).hexdigest()
 
