@@ -136,7 +136,8 @@ def fresh_run_tag(flow_run_id: str, scheduled: datetime | None) -> str:
 
 
 # ------------------------------------------------------------------------------ content keys
-def _sha(obj: Any) -> str:
+def digest(obj: Any) -> str:
+    """sha256 of ``obj`` as canonical JSON (a content key)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -149,7 +150,7 @@ def file_sha256(path: Path) -> str:
 
 
 def extraction_key(plan: PipelinePlan) -> str:
-    return _sha({"id": plan.extract.resolved_extraction_id(), "identity": plan.extract.identity()})
+    return digest({"id": plan.extract.resolved_extraction_id(), "identity": plan.extract.identity()})
 
 
 def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str:
@@ -166,7 +167,7 @@ def train_key(config: TrainConfig) -> str:
     from eaglenest.drafter.train import store_fingerprint
 
     view = {k: v for k, v in config.drift_view().items() if k not in RESUME_MUTABLE}
-    return _sha({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_store(config.store)),
+    return digest({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_store(config.store)),
                  "target": model_lib.model_fingerprint(model_lib.resolve_model(config.target))["model_hash"]})
 
 
@@ -179,7 +180,7 @@ def latest_checkpoint_sha(run_dir: str) -> str | None:
 
 def bench_key(config: BenchConfig) -> str:
     weights = Path(config.draft) / "model.safetensors"
-    return _sha({"config": config.model_dump(mode="json"),
+    return digest({"config": config.model_dump(mode="json"),
                  "draft": file_sha256(weights) if weights.is_file() else None})
 
 

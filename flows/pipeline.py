@@ -36,8 +36,16 @@ from tasks.train import export_task, train_drafter, training_report
 
 
 def _run_tag() -> str | None:
+    """This flow run's extraction id: its id and CREATION time (a Retry reschedules the run, so its scheduled
+    start moves; the id and creation time do not, and the retry resumes the same extraction)."""
+    from prefect.client.orchestration import get_client
+
     rid = flow_run.id
-    return lib.fresh_run_tag(str(rid), flow_run.scheduled_start_time) if rid else None
+    if not rid:
+        return None
+    with get_client(sync_client=True) as client:
+        created = client.read_flow_run(rid).created
+    return lib.fresh_run_tag(str(rid), created)
 
 
 def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
@@ -53,7 +61,7 @@ def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
 
 
 def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log) -> dict:
-    key = lib._sha([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
+    key = lib.digest([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
     if (rec := book.done("convert", key)) is not None:
         log.info("convert: skipped (store %s holds the same %d samples)", plan.store_url, rec["output"]["samples"])
         return {**rec["output"], "skipped": True}
@@ -83,7 +91,7 @@ def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
 
 
 def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    key = lib._sha({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
+    key = lib.digest({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
                     "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
     if (rec := book.done("export", key)) is not None:
         log.info("export: skipped (%s up to date)", ", ".join(plan.export_dirs.values()))

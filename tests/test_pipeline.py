@@ -159,3 +159,16 @@ def test_fanout_partitions_the_extraction_and_merges_the_parts_into_one_store(pr
     assert len(set(store.sample_ids)) == len(store)  # disjoint parts: no sample twice
     whole = prepare(open_extraction(base.plan().extract)).samples
     assert sorted(store.sample_ids) == sorted(s.sample_id for s in whole)  # and together: the whole source
+
+
+def test_fresh_extraction_id_gives_each_flow_run_its_own_extraction(prefect_api, tiny_model_dir, tmp_path):
+    """The scheduled re-extraction: two runs of the same parameters make two extractions (ids from each run)."""
+    from flows.pipeline import pipeline
+
+    params = _tiny_pipeline(tiny_model_dir, tmp_path, stop_after="extract", fresh_extraction_id=True)
+    params = params.model_copy(update={"extract": params.extract.model_copy(update={"extraction_id": None,
+                                                                                     "limit": 30})})
+    a, b = pipeline(params), pipeline(params)
+    assert a["extraction_id"] != b["extraction_id"] and a["extraction_id"].startswith("re-")
+    assert not a["extract"]["skipped"] and not b["extract"]["skipped"]
+    assert b["extract"]["run"]["requests"] == b["extract"]["done"] > 0  # a new snapshot, not a resume
