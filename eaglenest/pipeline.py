@@ -29,6 +29,7 @@ from eaglenest import contract
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.extract_config import ExtractParams
 from eaglenest.spec.bench import BenchConfig
+from eaglenest.wheels import sha256_file
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
 STAGES: tuple[Stage, ...] = ("extract", "convert", "train", "export", "bench")
@@ -141,14 +142,6 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def extraction_key(plan: PipelinePlan) -> str:
     return digest({"id": plan.extract.resolved_extraction_id(), "identity": plan.extract.identity()})
 
@@ -175,13 +168,13 @@ def latest_checkpoint_sha(run_dir: str) -> str | None:
     from eaglenest.drafter.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(run_dir).latest()
-    return file_sha256(ckpt / "model.safetensors") if ckpt is not None else None
+    return sha256_file(ckpt / "model.safetensors") if ckpt is not None else None
 
 
 def bench_key(config: BenchConfig) -> str:
     weights = Path(config.draft) / "model.safetensors"
     return digest({"config": config.model_dump(mode="json"),
-                 "draft": file_sha256(weights) if weights.is_file() else None})
+                 "draft": sha256_file(weights) if weights.is_file() else None})
 
 
 # ------------------------------------------------------------------------------ the stage book
@@ -228,7 +221,7 @@ def output_valid(stage: Stage, out: dict) -> bool:
             return (Path(out["run_dir"]) / "result.json").is_file() and \
                 latest_checkpoint_sha(out["run_dir"]) == out["checkpoint_sha256"]
         if stage == "export":
-            return all(file_sha256(Path(d) / "model.safetensors") == sha for d, sha in out["files"].items())
+            return all(sha256_file(Path(d) / "model.safetensors") == sha for d, sha in out["files"].items())
         if stage == "bench":
             return (Path(out["output_dir"]) / "report.json").is_file()
     except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # ContractError, StoreError included

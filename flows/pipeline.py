@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from eaglenest import pipeline as lib
 from eaglenest.extract_config import ExtractParams
+from eaglenest.wheels import sha256_file
 from flows.bench import bench
 from flows.extract import extract
 from tasks.store import convert_to_store
@@ -48,73 +49,72 @@ def _run_tag() -> str | None:
     return lib.fresh_run_tag(str(rid), created)
 
 
-def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    key = lib.extraction_key(plan)
-    if (rec := book.done("extract", key)) is not None:
-        log.info("extract: skipped (extraction %s complete: %d samples)", plan.extract.resolved_extraction_id(),
-                 rec["output"]["done"])
+def _staged(book: lib.StageBook, stage: lib.Stage, key: str, log, why_skip: str, compute) -> dict:
+    """The stage's recorded output when it was computed for ``key`` and still validates; else compute it,
+    record it under ``key`` and return it. ``skipped`` says which."""
+    if (rec := book.done(stage, key)) is not None:
+        log.info("%s: skipped (%s)", stage, why_skip)
         return {**rec["output"], "skipped": True}
-    rep = extract(plan.extract)
-    out = {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
-    book.record("extract", key, out)
+    out = compute()
+    book.record(stage, key, out)
     return {**out, "skipped": False}
+
+
+def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    def compute() -> dict:
+        rep = extract(plan.extract)
+        return {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
+
+    return _staged(book, "extract", lib.extraction_key(plan), log,
+                   f"extraction {plan.extract.resolved_extraction_id()} is complete", compute)
 
 
 def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log) -> dict:
+    def compute() -> dict:
+        summary: dict = {}
+        for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
+            summary = convert_to_store(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
+        return {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
+                "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
+
     key = lib.digest([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
-    if (rec := book.done("convert", key)) is not None:
-        log.info("convert: skipped (store %s holds the same %d samples)", plan.store_url, rec["output"]["samples"])
-        return {**rec["output"], "skipped": True}
-    summary: dict = {}
-    for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
-        summary = convert_to_store(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
-    out = {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
-           "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
-    book.record("convert", key, out)
-    return {**out, "skipped": False}
+    return _staged(book, "convert", key, log, f"store {plan.store_url} holds the same samples", compute)
 
 
 def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    key = lib.train_key(plan.train)
-    if (rec := book.done("train", key)) is not None:
-        log.info("train: skipped (%s already trained on this store)", plan.train.out_dir)
-        return {**rec["output"], "skipped": True}
-    result = train_drafter(plan.train)
-    png = training_report(plan.train.out_dir, result)
-    ev = result.get("eval") or {}
-    out = {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
-           "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
-           "accept_length": ev.get("accept_length"), "loss_curve": png,
-           "checkpoint_sha256": lib.latest_checkpoint_sha(plan.train.out_dir)}
-    book.record("train", key, out)
-    return {**out, "skipped": False}
+    def compute() -> dict:
+        result = train_drafter(plan.train)
+        png = training_report(plan.train.out_dir, result)
+        return {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
+                "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
+                "accept_length": (result.get("eval") or {}).get("accept_length"), "loss_curve": png,
+                "checkpoint_sha256": lib.latest_checkpoint_sha(plan.train.out_dir)}
+
+    return _staged(book, "train", lib.train_key(plan.train), log,
+                   f"{plan.train.out_dir} already trained on this store", compute)
 
 
 def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+    def compute() -> dict:
+        files = {}
+        for fmt, d in plan.export_dirs.items():
+            folder = export_task(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
+            files[folder] = sha256_file(Path(folder) / "model.safetensors")
+        return {"dirs": plan.export_dirs, "files": files}
+
     key = lib.digest({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
-                    "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
-    if (rec := book.done("export", key)) is not None:
-        log.info("export: skipped (%s up to date)", ", ".join(plan.export_dirs.values()))
-        return {**rec["output"], "skipped": True}
-    files = {}
-    for fmt, d in plan.export_dirs.items():
-        folder = export_task(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
-        files[folder] = lib.file_sha256(Path(folder) / "model.safetensors")
-    out = {"dirs": plan.export_dirs, "files": files}
-    book.record("export", key, out)
-    return {**out, "skipped": False}
+                      "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
+    return _staged(book, "export", key, log, f"{', '.join(plan.export_dirs.values())} up to date", compute)
 
 
 def _bench_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    key = lib.bench_key(plan.bench)
-    if (rec := book.done("bench", key)) is not None:
-        log.info("bench: skipped (report for this drafter and config in %s)", plan.bench.output_dir)
-        return {**rec["output"], "skipped": True}
-    res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
-    out = {"output_dir": plan.bench.output_dir, "speedups": res["speedups"], "accept_length": res["accept_length"],
-           "gate": res["gate"]}
-    book.record("bench", key, out)
-    return {**out, "skipped": False}
+    def compute() -> dict:
+        res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
+        return {"output_dir": plan.bench.output_dir, "speedups": res["speedups"],
+                "accept_length": res["accept_length"], "gate": res["gate"]}
+
+    return _staged(book, "bench", lib.bench_key(plan.bench), log,
+                   f"report for this drafter and config in {plan.bench.output_dir}", compute)
 
 
 def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log,
