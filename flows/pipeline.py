@@ -212,11 +212,15 @@ def demo_params(out: str = "runs/demo", prompts: int = 128) -> lib.PipelineParam
 def _headline(summary: dict) -> str:
     ex, st, tr, be = (summary.get(k) or {} for k in ("extract", "convert", "train", "bench"))
     acc = (tr.get("accept_length") or {})
+
+    def took(stage: dict) -> str:
+        return "skipped: done before" if stage.get("skipped") else f"{stage.get('seconds')} s"
+
     lines = [f"run folder:  {summary['run_dir']}",
-             f"extraction:  {ex.get('dir')} ({ex.get('done')} samples, {ex.get('seconds')} s)",
-             f"store:       {st.get('url')} (version {st.get('version')}, {st.get('samples')} samples)",
+             f"extraction:  {ex.get('dir')} ({ex.get('done')} samples, {took(ex)})",
+             f"store:       {st.get('url')} (version {st.get('version')}, {st.get('samples')} samples, {took(st)})",
              f"drafter:     {summary.get('export', {}).get('dirs')} (trained {tr.get('step')} steps, "
-             f"{tr.get('seconds')} s; held-out accept length {acc})",
+             f"{took(tr)}; held-out accept length {acc})",
              f"bench:       {be.get('output_dir')}/report.md  speedups {be.get('speedups')}  "
              f"accept length {be.get('accept_length')}"]
     return "\n".join(lines)
