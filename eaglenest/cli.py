@@ -11,6 +11,7 @@ import typer
 
 from eaglenest.cli_bench import app as bench_app
 from eaglenest.cli_extract import app as extract_app
+from eaglenest.cli_extract import parse_ids
 from eaglenest.cli_store import app as store_app
 from eaglenest.cli_train import app as train_app
 
@@ -26,15 +27,6 @@ app.add_typer(bench_app, name="bench")  # eaglenest bench live | cpu | offline |
 class Engine(StrEnum):
     embedded = "embedded"
     sglang = "sglang"
-
-
-def parse_ids(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -18,7 +18,8 @@ import typer
 app = typer.Typer(add_completion=False, help="Extract hidden states: prompts -> capture servers -> validated shards.")
 
 
-def _ids(text: str | None) -> list[int] | None:
+def parse_ids(text: str | None) -> list[int] | None:
+    """``--aux-layers 1,14,26`` -> [1, 14, 26] (None when empty); a bad list is a typer error naming it."""
     if not text:
         return None
     try:
@@ -65,7 +66,7 @@ def extract(
         params = ExtractParams(
             source=source, source_format=source_format, limit=limit or None, max_turns=max_turns or None,
             model=model, engine=engine, server_urls=server_url or [], num_servers=num_servers,
-            aux_layer_ids=_ids(aux_layers), dtype=dtype, batch_size=batch_size, concurrency=concurrency,
+            aux_layer_ids=parse_ids(aux_layers), dtype=dtype, batch_size=batch_size, concurrency=concurrency,
             max_tokens=max_tokens or None, extraction_id=extraction_id, output_dir=output_dir,
             request_timeout_s=request_timeout_s, sglang_args=sglang_arg or [],
             regeneration={"enabled": regenerate, "temperature": regen_temperature,

@@ -204,6 +204,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temporary_name(path: Path) -> Path:
+    """A unique ``<name>.<rand>.tmp`` beside ``path`` (readers ignore the suffix; cleaners remove it)."""
+    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+
+
+def _write_fsynced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` so that the final name holds either nothing or all of it.
 
@@ -212,12 +224,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     removed and the error re-raised (disk full stays an OSError with its errno).
     """
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+    tmp = _temporary_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_fsynced(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -236,12 +245,9 @@ def publish_once(path: str | Path, data: bytes) -> tuple[Path, bytes]:
     file's when one was kept). To replace a shard, move it away first (quarantine).
     """
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+    tmp = _temporary_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_fsynced(tmp, data)
         try:
             os.link(tmp, path)  # fails if the name exists: never overwrites
         except FileExistsError:

@@ -11,7 +11,7 @@ extraction folder:
 of indices whose padded size (rows x longest) stays within ``max_tokens`` (a longer sample goes
 alone), deterministic per (seed, epoch), ``state_dict()`` = exact position inside the epoch.
 
-Invariant: nothing here is imported when ``eaglenest.store`` exists (see ``drafter/data.py``).
+Samples are the store's own :class:`eaglenest.store.reader.StoreSample`, so both kinds of reader yield one type.
 """
 
 from __future__ import annotations
@@ -19,22 +19,13 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from eaglenest import contract
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSample:
-    sample_id: str
-    input_ids: torch.Tensor  # [T] int32
-    loss_mask: torch.Tensor  # [T] bool
-    aux_hidden: torch.Tensor  # [T, k*H] bf16
-    final_hidden: torch.Tensor  # [T, H] bf16
+from eaglenest.store.reader import StoreSample
 
 
 class MemoryStore:
