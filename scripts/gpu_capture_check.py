@@ -10,8 +10,9 @@ Phases (each adds to DIR/report.json when it ends; a failed phase is recorded an
              arrives (durable before the answer), ids and shapes match, no shard for ``nocapture:``.
              Then the P1 workload (prefill-only, concurrent batches) with captured rids.
 - reference: transformers bf16 forward of the same model on the GPU; per layer (aux ids + final norm)
-             relative Frobenius error ||shard - ref|| / ||ref|| (tolerance --tol, default 0.02), max |diff|;
-             the bf16-vs-fp32 transformers error is reported as the noise floor.
+             relative Frobenius error ||shard - ref|| / ||ref||, max |diff|. A layer passes when that error is
+             <= --tol (0.02) or when the shard is no further from the fp32 forward than --noise-factor (2) x
+             transformers' own bf16-vs-fp32 error (the bf16 noise floor, reported per layer).
 - baseline:  the same server settings without the plugin; P1 = prefill tok/s with capture / without.
 - eagle3:    (with --draft) an EAGLE3 server with capture and the draft probe: the aux states SGLang's own
              EAGLE3 path feeds the draft, per request, vs the plugin's shard in that server and vs the plain
@@ -200,7 +201,7 @@ def phase_reference(args, checks):
     models = {dt: AutoModelForCausalLM.from_pretrained(args.model, dtype=dt).to(device).eval()
               for dt in (torch.bfloat16, torch.float32)}
     ids = args.aux
-    rows, worst = [], {}
+    rows, worst, floor, worst_fp32 = [], {}, {}, {}
     for i, prompt in enumerate(checks):
         shard = contract.read_shard(OUT_CAP / contract.shard_filename(f"chk-{i}"))
         with torch.no_grad():
@@ -216,10 +217,17 @@ def phase_reference(args, checks):
             row[name] = {"rel": round(rel(got, ref), 5), "max_abs": round(float((got.float() - ref.float()).abs()
                                                                                 .max()), 5),
                          "rel_vs_fp32": round(rel(got, ref32), 5), "hf_bf16_vs_fp32": round(rel(ref, ref32), 5)}
+            # within tolerance: as close to transformers' bf16 forward as --tol, or no further from the fp32
+            # forward than --noise-factor x transformers' own bf16 error there (the bf16 noise floor)
+            bound = args.noise_factor * row[name]["hf_bf16_vs_fp32"]
+            row[name]["ok"] = row[name]["rel"] <= args.tol or row[name]["rel_vs_fp32"] <= bound
             worst[name] = max(worst.get(name, 0.0), row[name]["rel"])
+            floor[name] = max(floor.get(name, 0.0), row[name]["hf_bf16_vs_fp32"])
+            worst_fp32[name] = max(worst_fp32.get(name, 0.0), row[name]["rel_vs_fp32"])
         rows.append(row)
-    rep.update(per_prompt=rows, worst_rel=worst, tolerance=args.tol,
-               ok=all(v <= args.tol for v in worst.values()))
+    rep.update(per_prompt=rows, worst_rel=worst, worst_rel_vs_fp32=worst_fp32, noise_floor=floor,
+               tolerance=f"rel vs HF bf16 <= {args.tol} or rel vs HF fp32 <= {args.noise_factor} x HF bf16-vs-fp32",
+               ok=all(r[n]["ok"] for r in rows for n in r if n != "prompt_len"))
     del models
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -283,6 +291,7 @@ def main() -> int:
     p.add_argument("--bench-prompts", type=int, default=512)
     p.add_argument("--bench-len", type=int, default=512)
     p.add_argument("--tol", type=float, default=0.02)
+    p.add_argument("--noise-factor", type=float, default=2.0)
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--phases", default="capture,reference,baseline,eagle3")
     p.add_argument("--deadline-s", type=float, default=0, help="skip phases that would not finish in time")

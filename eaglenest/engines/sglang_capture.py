@@ -50,6 +50,7 @@ ENV_AUX_LAYERS = "EAGLENEST_AUX_LAYERS"
 ENV_MAX_INFLIGHT = "EAGLENEST_MAX_INFLIGHT"
 ENV_WRITER_THREADS = "EAGLENEST_WRITER_THREADS"
 ENV_RECEIPT_TIMEOUT = "EAGLENEST_RECEIPT_TIMEOUT_S"
+ENV_WRITER = "EAGLENEST_CAPTURE_WRITER"
 PROVENANCE_FILE = "provenance.json"
 
 
@@ -70,6 +71,8 @@ class CaptureConfig:
     max_inflight: int = 4
     """Prefill batches whose device-to-host copy may be in flight before the scheduler waits."""
     writer_threads: int = 4
+    writer: str = "process"
+    """``process``: shards are written by a child process (default); ``thread``: inside the scheduler."""
     receipt_timeout_s: float = 300.0
     """How long an answer waits for its shard to become durable before failing (504)."""
 
@@ -90,6 +93,7 @@ class CaptureConfig:
                 aux_layer_ids=aux,
                 max_inflight=max(1, int(env.get(ENV_MAX_INFLIGHT, "4"))),
                 writer_threads=max(1, int(env.get(ENV_WRITER_THREADS, "4"))),
+                writer=_writer_kind(env.get(ENV_WRITER, "process")),
                 receipt_timeout_s=float(env.get(ENV_RECEIPT_TIMEOUT, "300")),
             )
         except ValueError as e:
@@ -101,11 +105,18 @@ class CaptureConfig:
             ENV_RECEIPT_DIR: str(self.receipt_dir),
             ENV_MAX_INFLIGHT: str(self.max_inflight),
             ENV_WRITER_THREADS: str(self.writer_threads),
+            ENV_WRITER: self.writer,
             ENV_RECEIPT_TIMEOUT: str(self.receipt_timeout_s),
         }
         if self.aux_layer_ids:
             env[ENV_AUX_LAYERS] = ",".join(str(i) for i in self.aux_layer_ids)
         return env
+
+
+def _writer_kind(value: str) -> str:
+    if value not in ("process", "thread"):
+        raise ValueError(f"{ENV_WRITER}={value!r}: expected 'process' or 'thread'")
+    return value
 
 
 def wants_capture(rid: object) -> bool:
@@ -255,6 +266,16 @@ def write_receipt(receipt_dir: str | Path, rid: str, payload: dict[str, Any]) ->
     os.replace(tmp, path)
 
 
+def report_failure(receipt_dir: str | Path, rid: str, message: str, *, status: int = 422,
+                   kind: str = "capture_invalid") -> None:
+    """Log a request that will not get a shard and publish its failure receipt (terminal for that sample)."""
+    log.error("eaglenest capture: %s", message)
+    try:
+        write_receipt(receipt_dir, rid, {"ok": False, "status": status, "kind": kind, "message": message})
+    except OSError:
+        log.exception("eaglenest capture: could not write the failure receipt for %r", rid)
+
+
 def clear_receipt(receipt_dir: str | Path, rid: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(receipt_path(receipt_dir, rid))
@@ -301,6 +322,8 @@ class HostBatch:
     """Blocks until the host tensors hold the data (a CUDA event's synchronize)."""
     release: Callable[[], None] = lambda: None
     """Returns the host buffers to their pool (called once the rows were encoded or copied)."""
+    where: tuple[int, str] | None = None
+    """(slot, path) of the shared host buffer holding the rows, when another process may map it."""
 
 
 class CaptureWriter:
@@ -329,12 +352,8 @@ class CaptureWriter:
 
     def fail(self, rid: str, message: str, *, status: int = 422, kind: str = "capture_invalid") -> None:
         """Report a request that will not get a shard (terminal for that sample)."""
-        log.error("eaglenest capture: %s", message)
         self._count("failures")
-        try:
-            write_receipt(self.receipt_dir, rid, {"ok": False, "status": status, "kind": kind, "message": message})
-        except OSError:
-            log.exception("eaglenest capture: could not write the failure receipt for %r", rid)
+        report_failure(self.receipt_dir, rid, message, status=status, kind=kind)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Drain: every submitted batch is written (or failed) before this returns."""

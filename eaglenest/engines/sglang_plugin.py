@@ -17,7 +17,8 @@ Scheduler process (every TP rank), hooks registered with sglang's HookRegistry:
   so nothing is attached to it; rids are compared instead).
 - In the wrapped logits processor: split rows per request, copy only captured rows to pinned host
   buffers on a side stream (bounded slots: the scheduler waits only when ``max_inflight`` batches
-  are still copying/encoding), hand them to :class:`CaptureWriter` (coalescing, shards, receipts).
+  are still copying/encoding), hand them to the shard writer (coalescing, shards, receipts), which runs
+  in a child process so that the scheduler thread never waits for the GIL (:mod:`sglang_staging`).
 HTTP process (the one sglang.launch_server runs, not started by multiprocessing):
 - ``TokenizerManager._init_req_state``: drop stale receipts of incoming rids.
 - ``TokenizerManager._wait_one_response``: hold each captured request's final answer until its
@@ -32,12 +33,12 @@ import json
 import logging
 import multiprocessing
 import os
-import queue
 from typing import Any
 
 import torch
 
 from eaglenest import contract
+from eaglenest.engines import sglang_sampler
 from eaglenest.engines.sglang_capture import (
     PROVENANCE_FILE,
     CaptureConfig,
@@ -52,6 +53,7 @@ from eaglenest.engines.sglang_capture import (
 )
 from eaglenest.engines.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from eaglenest.engines.sglang_guards import check_server_args
+from eaglenest.engines.sglang_staging import DeviceCopier, ProcessWriter, shared_memory_available
 
 log = logging.getLogger("eaglenest.sglang")
 
@@ -87,6 +89,8 @@ def register() -> None:
     global _http_config
     config = CaptureConfig.from_env()
     probe_dir = os.environ.get(ENV_PROBE_DRAFT_DIR)
+    if os.environ.get(sglang_sampler.ENV_SAMPLE_DIR) and multiprocessing.parent_process() is not None:
+        sglang_sampler.maybe_start()
     if config is None and not probe_dir:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -110,53 +114,6 @@ def register() -> None:
 
 
 # ---------------------------------------------------------------- scheduler side
-class DeviceCopier:
-    """Bounded device-to-host staging: ``max_inflight`` reusable (pinned) host buffers."""
-
-    def __init__(self, max_inflight: int) -> None:
-        self._free: queue.Queue[list[torch.Tensor | None]] = queue.Queue()
-        for _ in range(max_inflight):
-            self._free.put([None])
-        self._stream: Any = None
-
-    def stage(self, final: torch.Tensor, aux: list[torch.Tensor], ranges: list[tuple[int, int]],
-              ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
-        """Copy rows ``ranges`` of final [N, H] and aux k x [N, H]; returns (aux [n, kH], final [n, H], ready,
-        release) on the host. Waits (back-pressure) only when every buffer is still in use."""
-        aux_dev = torch.cat(aux, dim=-1)  # [N, kH]
-        fin_dev = final
-        if ranges != [(0, final.shape[0])]:
-            aux_dev = torch.cat([aux_dev[a:b] for a, b in ranges])  # [n, kH]
-            fin_dev = torch.cat([final[a:b] for a, b in ranges])  # [n, H]
-        aux_dev, fin_dev = aux_dev.to(torch.bfloat16), fin_dev.to(torch.bfloat16)
-        n, kh, h = aux_dev.shape[0], aux_dev.shape[1], fin_dev.shape[1]
-        slot = self._free.get()
-        need = n * (kh + h)
-        if slot[0] is None or slot[0].numel() < need:
-            slot[0] = torch.empty(int(need * 1.25) + 1024, dtype=torch.bfloat16, pin_memory=final.is_cuda)
-        aux_host = slot[0][: n * kh].view(n, kh)
-        fin_host = slot[0][n * kh: need].view(n, h)
-
-        def release() -> None:
-            self._free.put(slot)
-
-        if not final.is_cuda:
-            aux_host.copy_(aux_dev)
-            fin_host.copy_(fin_dev)
-            return aux_host, fin_host, (lambda: None), release
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=final.device)
-        self._stream.wait_stream(torch.cuda.current_stream(final.device))
-        with torch.cuda.stream(self._stream):
-            aux_host.copy_(aux_dev, non_blocking=True)
-            fin_host.copy_(fin_dev, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins
-            done.record(self._stream)
-        aux_dev.record_stream(self._stream)  # keep device memory alive until the copy ran
-        fin_dev.record_stream(self._stream)
-        return aux_host, fin_host, done.synchronize, release
-
-
 class CaptureRuntime:
     """Per scheduler process on the writer rank: batch views in, host batches out to the writer."""
 
@@ -223,13 +180,13 @@ class CaptureRuntime:
                 raise CaptureError(f"the model returned aux states of width {width}, expected {self.num_aux} x "
                                    f"{hidden_states.shape[-1]} (is aux capture on for this model?)")
             segments, ranges = plan_segments(views, int(hidden_states.shape[0]))
-            aux_host, fin_host, ready, release = self.copier.stage(hidden_states, aux_list, ranges)
+            aux_host, fin_host, ready, release, where = self.copier.stage(hidden_states, aux_list, ranges)
         except Exception as e:
             log.exception("eaglenest capture: batch not captured")
             for v in captured:
                 self.writer.fail(v.rid, f"capture of {v.rid!r} failed: {e}", status=500, kind="capture_error")
             return
-        self.writer.submit(HostBatch(segments, aux_host, fin_host, ready, release))
+        self.writer.submit(HostBatch(segments, aux_host, fin_host, ready, release, where))
 
 
 def _layers_to_capture(model: Any) -> list[int]:
@@ -294,14 +251,17 @@ def setup_runtime(runner: Any, config: CaptureConfig) -> CaptureRuntime | None:
     provenance = _provenance(runner, ids)
     config.capture_dir.mkdir(parents=True, exist_ok=True)
     contract.clean_temporaries(config.capture_dir)
-    writer = CaptureWriter(capture_dir=config.capture_dir, receipt_dir=config.receipt_dir, provenance=provenance,
-                           threads=config.writer_threads)
+    # the writer runs in a child process (the scheduler thread must not wait for the GIL: sglang_staging)
+    in_process = config.writer == "thread" or not shared_memory_available()
+    writer_cls = CaptureWriter if in_process else ProcessWriter
+    writer = writer_cls(capture_dir=config.capture_dir, receipt_dir=config.receipt_dir, provenance=provenance,
+                        threads=config.writer_threads)
     contract.atomic_write_bytes(config.receipt_dir / PROVENANCE_FILE, provenance.to_json().encode())
-    runtime = CaptureRuntime(writer=writer, copier=DeviceCopier(config.max_inflight), num_aux=len(ids),
-                             extend_mode=ForwardMode.EXTEND, runner=runner)
+    runtime = CaptureRuntime(writer=writer, copier=DeviceCopier(config.max_inflight, shared=not in_process),
+                             num_aux=len(ids), extend_mode=ForwardMode.EXTEND, runner=runner)
     wrap_logits_processor(lp, runtime)
-    log.warning("eaglenest capture on: aux layers %s + final norm -> %s (%s)", list(ids), config.capture_dir,
-                provenance.attention_backend)
+    log.warning("eaglenest capture on: aux layers %s + final norm -> %s (%s; writer %s)", list(ids),
+                config.capture_dir, provenance.attention_backend, "threads" if in_process else "process")
     return runtime
 
 

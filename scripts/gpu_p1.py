@@ -1,0 +1,171 @@
+"""P1 on the GPU machine, order-balanced: prefill tok/s of a capture server / the same server without capture.
+
+    python scripts/gpu_p1.py --model MODEL --order B,C,B,C [--chunk 8192] [--prompts 512 --len 512 --batch 16]
+        [--profile] --out DIR [-- extra sglang args]
+
+Servers start one after another in ``--order`` (B = baseline: no plugin; C = capture server), with the
+same flags and the same prompts (random token ids, prefill only: max_new_tokens=0), sent as batched
+/generate requests from 8 client threads. A baseline runs two rounds; a capture server runs
+captured / ``nocapture:`` / captured rounds (the middle one measures the plugin's cost without capture).
+Every server first runs a warm-up round. P1 = mean captured tok/s / mean baseline tok/s over all rounds.
+``--profile`` samples the scheduler thread's stack (``eaglenest.engines.sglang_sampler``) per round.
+Writes DIR/p1.json and the tail of each server's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eaglenest.engines import sglang_sampler
+from eaglenest.engines.launcher import ServerProcess, log_tail, probe_ready
+from eaglenest.engines.sglang_launcher import (
+    build_command,
+    capture_ready,
+    release_work_dir,
+    write_plugin_dist_info,
+)
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def bench(url: str, data: list[list[int]], tag: str, batch: int, threads: int = 8) -> dict:
+    chunks = [(data[i:i + batch], [f"{tag}-{i + j}" for j in range(len(data[i:i + batch]))])
+              for i in range(0, len(data), batch)]
+    nbytes = [0]
+
+    def send(chunk):
+        ids, rids = chunk
+        body = {"input_ids": ids, "rid": rids, "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=600)
+        if r.status_code != 200:
+            raise RuntimeError(f"{tag}: HTTP {r.status_code}: {r.text[:300]}")
+        for ans in r.json():
+            nbytes[0] += (ans["meta_info"].get("capture") or {}).get("bytes", 0)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(send, chunks))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(p) for p in data)
+    return {"tag": tag, "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
+            "capture_bytes_per_s": round(nbytes[0] / wall, 1)}
+
+
+def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:
+    name = f"{kind}{n}"
+    cap = Path(tempfile.mkdtemp(prefix="p1cap-")) if kind == "C" else None
+    sglang_args = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
+                   "--chunked-prefill-size", str(a.chunk), "--disable-cuda-graph", "--log-level", "info",
+                   *a.sglang_args]
+    cmd, env = build_command(model_dir=a.model, capture_dir=cap, port=a.port + n, aux_layer_ids=a.aux,
+                             sglang_args=sglang_args)
+    profile = out / "profile" / name if a.profile else None
+    work = None
+    if profile:
+        env = {**env, sglang_sampler.ENV_SAMPLE_DIR: str(profile)}
+        if cap is None:  # make the (inert) plugin discoverable so the baseline's scheduler is sampled too
+            work = Path(tempfile.mkdtemp(prefix="p1site-"))
+            write_plugin_dist_info(work)
+            env["PYTHONPATH"] = os.pathsep.join([str(work), str(Path(__file__).resolve().parents[1]),
+                                                 os.environ.get("PYTHONPATH", "")])
+    proc = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{a.port + n}", env=env,
+                         log_path=Path("/tmp/gpu_p1") / f"{name}.log")
+    rep = report["servers"].setdefault(name, {"cmd": " ".join(cmd)})
+    t0 = time.time()
+    proc.start()
+    try:
+        proc.wait_ready(timeout_s=600, ready=capture_ready if cap else probe_ready)
+        rep["startup_s"] = round(time.time() - t0, 1)
+        say(f"{name}: ready after {rep['startup_s']} s")
+        bench(proc.url, data[: max(a.batch * 8, len(data) // 4)], f"warm-{name}", a.batch)
+        tags = ["cap", "nocapture:nocap", "cap"] if cap else ["base", "base"]
+        rep["rounds"] = []
+        for i, tag in enumerate(tags):
+            before = sglang_sampler.snapshot(profile) if profile else None
+            r = bench(proc.url, data, f"{tag}-{name}-{i}", a.batch)
+            if profile:
+                time.sleep(1.5)  # let the sampler flush
+                r["profile"] = sglang_sampler.summarize(before, sglang_sampler.snapshot(profile), top=30)
+            rep["rounds"].append(r)
+            say(f"{name} {tag}: {r['tok_per_s']} tok/s, capture {r['capture_bytes_per_s'] / 1e6:.1f} MB/s")
+            if cap:
+                for p in cap.glob("*.safetensors"):
+                    p.unlink()
+    finally:
+        proc.stop()
+        release_work_dir(env)
+        for d in (cap, work):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+        (out / f"{name}.log.tail").write_text(log_tail(proc.log_path, 60))
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--aux", default=None)
+    p.add_argument("--order", default="B,C,B,C")
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--port", type=int, default=32000)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_p1/out"))
+    a = p.parse_args(argv)
+    a.sglang_args = extra
+    a.model = str(Path(a.model).resolve())
+    a.aux = [int(x) for x in a.aux.split(",")] if a.aux else None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(7)
+    data = [[rng.randrange(3, vocab) for _ in range(a.len)] for _ in range(a.prompts)]
+    report: dict = {"model": a.model, "chunk": a.chunk, "prompts": a.prompts, "len": a.len, "batch": a.batch,
+                    "order": a.order, "servers": {}}
+    counts: dict[str, int] = {}
+    for kind in a.order.split(","):
+        counts[kind] = counts.get(kind, 0) + 1
+        try:
+            run_server(kind, counts[kind], a, data, out, report)
+        except Exception as e:
+            report.setdefault("errors", []).append(f"{kind}{counts[kind]}: {e!r}")
+            say(f"{kind}{counts[kind]} FAILED: {e!r}")
+        (out / "p1.json").write_text(json.dumps(report, indent=1))
+
+    def rounds(prefix: str) -> list[float]:
+        return [r["tok_per_s"] for s in report["servers"].values() for r in s.get("rounds", [])
+                if r["tag"].startswith(prefix)]
+
+    base, cap, nocap = rounds("base"), rounds("cap"), rounds("nocapture:")
+    if base and cap:
+        report["p1"] = {"baseline_tok_per_s": rounds("base"), "capture_tok_per_s": cap,
+                        "nocapture_on_capture_server_tok_per_s": nocap,
+                        "ratio_mean": round(statistics.mean(cap) / statistics.mean(base), 4),
+                        "nocapture_ratio_mean": round(statistics.mean(nocap) / statistics.mean(base), 4) if nocap
+                        else None, "target": 0.97}
+    (out / "p1.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report.get("p1"), indent=1))
+    return 0 if "p1" in report else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
