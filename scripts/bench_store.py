@@ -123,7 +123,7 @@ def main() -> None:
             print(f"  round {r}: cp {shard_bytes / cp_s[-1] / 1e6:.0f} MB/s, convert "
                   f"{shard_bytes / conv_s[-1] / 1e6:.0f} MB/s ({summary.files_written} files)")
         cp_mbs, conv_mbs = shard_bytes / min(cp_s) / 1e6, shard_bytes / min(conv_s) / 1e6
-        print(f"P3 conversion {conv_mbs:.0f} MB/s / cp {cp_mbs:.0f} MB/s = {conv_mbs / cp_mbs:.2f} (target >= 0.8)")
+        print(f"P3 conversion {conv_mbs:.0f} MB/s / cp {cp_mbs:.0f} MB/s = {conv_mbs / cp_mbs:.3f} (target >= 0.8)")
 
         store = open_store(str(work / "store"))
         files = store._paths

@@ -98,7 +98,7 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator
     """Write one data file, then its sidecar; returns the sidecar record."""
     path = L.join(root, L.DATA_DIR, pf.key + L.DATA_SUFFIX)
     rows = []
-    with L.committed_file(fs, path) as sink:
+    with L.committed_file(fs, path, background_hash=True) as sink:
         writer = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=L.IPC_OPTIONS)
         pos = L.first_batch_offset(schema)
         for _ in pf.entries:
@@ -112,7 +112,7 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator
             if L.is_local(fs):
                 sink.start_writeback()
         writer.close()
-    record = {"key": pf.key, "bytes": sink.size, "sha256": sink.sha.hexdigest(), "rows": rows}
+    record = {"key": pf.key, "bytes": sink.size, "sha256": sink.hexdigest(), "rows": rows}
     L.write_bytes(fs, path + L.SIDECAR_SUFFIX, json.dumps(record).encode())
     return record
 

@@ -19,6 +19,8 @@ import errno
 import hashlib
 import json
 import os
+import queue
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -109,24 +111,52 @@ def _fsync_dir(path: str) -> None:
 
 
 class HashingWriter:
-    """File-like sink for pyarrow: forwards writes, counts bytes and sha256s them on the way."""
+    """File-like sink for pyarrow: forwards writes, counts bytes and sha256s them on the way.
 
-    def __init__(self, raw: Any) -> None:
+    ``background=True`` hashes on a helper thread (in write order) while the caller goes on encoding and
+    writing: the data is referenced, not copied (pyarrow hands over immutable bytes or the batch's own
+    buffers, which the converter keeps alive); :meth:`hexdigest` waits for it."""
+
+    def __init__(self, raw: Any, *, background: bool = False) -> None:
         self.raw = raw
-        self.sha = hashlib.sha256()
+        self._sha = hashlib.sha256()
         self.size = 0
         self.closed = False
         self._written_back = 0
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=256)
+            self._thread = threading.Thread(target=self._hash_loop, name="store-hash", daemon=True)
+            self._thread.start()
+
+    def _hash_loop(self) -> None:
+        while (view := self._queue.get()) is not None:
+            self._sha.update(view)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.sha.update(view)
+        if self._queue is not None:
+            self._queue.put(view)
+        else:
+            self._sha.update(view)
         total = view.nbytes
         while view.nbytes:  # a single write() moves at most ~2 GiB on Linux: loop
             n = self.raw.write(view)
             view = view[n if n is not None else view.nbytes :]
         self.size += total
         return total
+
+    def finish(self) -> None:
+        """Wait until everything written so far is hashed (stops the helper thread)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = self._queue = None
+
+    def hexdigest(self) -> str:
+        self.finish()
+        return self._sha.hexdigest()
 
     def tell(self) -> int:
         return self.size
@@ -149,7 +179,8 @@ class HashingWriter:
 
 
 @contextlib.contextmanager
-def committed_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[HashingWriter]:
+def committed_file(fs: fsspec.AbstractFileSystem, path: str, *, background_hash: bool = False,
+                   ) -> Iterator[HashingWriter]:
     """Open ``path`` for writing; it is published (complete) only if the block exits cleanly."""
     where = path
     if is_local(fs):
@@ -157,7 +188,11 @@ def committed_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Hashing
         tmp = f"{path}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
         try:
             with open(tmp, "wb", buffering=0) as raw:
-                yield HashingWriter(raw)
+                sink = HashingWriter(raw, background=background_hash)
+                try:
+                    yield sink
+                finally:
+                    sink.finish()
                 os.fsync(raw.fileno())
             os.replace(tmp, path)
         except BaseException as e:
@@ -170,7 +205,11 @@ def committed_file(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[Hashing
         return
     try:
         with fs.transaction, fs.open(path, "wb") as raw:
-            yield HashingWriter(raw)
+            sink = HashingWriter(raw, background=background_hash)
+            try:
+                yield sink
+            finally:
+                sink.finish()
     except OSError as e:
         if is_disk_full(e):
             raise disk_full_error(where, e) from e
@@ -181,7 +220,7 @@ def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> str:
     """Commit ``data`` to ``path`` atomically; returns its sha256."""
     with committed_file(fs, path) as f:
         f.write(data)
-    return f.sha.hexdigest()
+    return f.hexdigest()
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
