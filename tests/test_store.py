@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import random
+import threading
 import uuid
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from eaglenest.contract import read_shard
 from eaglenest.ledger import Ledger, spans_to_mask
 from eaglenest.store import StoreNotFound, convert, list_versions, open_store
+from eaglenest.store import layout as L
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction
 
 LENGTHS = [7, 1, 33, 12, 64, 5, 20, 9, 40, 3]
@@ -168,3 +171,16 @@ def test_mapped_decoder_agrees_with_the_contract(tmp_path):
         decode_mapped(junk, "junk")
     with pytest.raises(ContractError, match="truncated"):
         decode_mapped(bytearray(path.read_bytes()[:100]), "cut")
+
+
+def test_background_hashing_writer_hashes_every_write_in_order(tmp_path):
+    chunks = [b"x", torch.arange(100_000, dtype=torch.int32).numpy(), b"", bytes(range(256)) * 900,
+              memoryview(torch.ones(70_000, dtype=torch.bfloat16).view(torch.uint8).numpy())]
+    with open(tmp_path / "f", "wb", buffering=0) as raw:
+        w = L.HashingWriter(raw, background=True)
+        for c in chunks:
+            w.write(c)
+        digest = w.hexdigest()
+    data = (tmp_path / "f").read_bytes()
+    assert digest == hashlib.sha256(data).hexdigest() and w.size == len(data)
+    assert not any(t.name == "store-hash" for t in threading.enumerate())  # helper stopped
