@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from tasks.store import convert_to_store
+from tasks.store import convert_or_cached
 
 
 class ConvertParams(BaseModel):
@@ -22,4 +22,4 @@ class ConvertParams(BaseModel):
 @flow(name="convert", log_prints=True)
 def convert_flow(params: ConvertParams) -> dict:
     """Validated shards -> Arrow IPC data files + index + manifest (written last)."""
-    return convert_to_store(params.extraction_dir, params.store_url, params.target_file_mb << 20, params.append)
+    return convert_or_cached(params.extraction_dir, params.store_url, params.target_file_mb << 20, params.append)

@@ -18,7 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eaglenest.extract import Counts
 from eaglenest.extract_config import ExtractParams
 from tasks import extract as t
-from tasks.store import convert_to_store
+from tasks.store import convert_or_cached
 
 
 class ExtractionIncomplete(RuntimeError):
@@ -39,7 +39,7 @@ def store_step(extraction_dir: Path, report: dict, params: ExtractParams) -> dic
     is cached on the ledger's content, so a re-run of a complete flow converts nothing again."""
     if not params.store_url or report["pending"]:
         return None
-    return convert_to_store(str(extraction_dir), params.store_url, params.store_target_file_mb << 20)
+    return convert_or_cached(str(extraction_dir), params.store_url, params.store_target_file_mb << 20)
 
 
 @flow(name="extract", on_failure=[_teardown], on_crashed=[_teardown],

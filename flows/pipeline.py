@@ -32,8 +32,8 @@ from eaglenest.extract_config import ExtractParams
 from eaglenest.wheels import sha256_file
 from flows.bench import bench
 from flows.extract import extract
-from tasks.store import convert_to_store
-from tasks.train import export_task, train_drafter, training_report
+from tasks.store import convert_or_cached
+from tasks.train import export_or_cached, train_or_cached, training_report
 
 
 def _run_tag() -> str | None:
@@ -73,7 +73,7 @@ def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib
     def compute() -> dict:
         summary: dict = {}
         for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
-            summary = convert_to_store(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
+            summary = convert_or_cached(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
         return {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
                 "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
 
@@ -83,7 +83,7 @@ def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib
 
 def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
     def compute() -> dict:
-        result = train_drafter(plan.train)
+        result = train_or_cached(plan.train)
         png = training_report(plan.train.out_dir, result)
         return {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
                 "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
@@ -98,7 +98,7 @@ def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
     def compute() -> dict:
         files = {}
         for fmt, d in plan.export_dirs.items():
-            folder = export_task(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
+            folder = export_or_cached(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
             files[folder] = sha256_file(Path(folder) / "model.safetensors")
         return {"dirs": plan.export_dirs, "files": files}
 

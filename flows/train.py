@@ -8,7 +8,7 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from eaglenest.drafter.config import TrainConfig
-from tasks.train import export_task, train_drafter, training_report
+from tasks.train import export_or_cached, train_or_cached, training_report
 
 
 class TrainFlowParams(BaseModel):
@@ -26,9 +26,9 @@ class TrainFlowParams(BaseModel):
 @flow(name="train", log_prints=True)
 def train_flow(params: TrainFlowParams) -> dict:
     """Store -> trained drafter (resumable) -> loss curve + table artifacts -> engine exports."""
-    result = train_drafter(params.train)
+    result = train_or_cached(params.train)
     png = training_report(params.train.out_dir, result)
     base = params.export_dir or f"{params.train.out_dir}/export"
-    exports = {fmt: export_task(params.train.out_dir, f"{base}/{fmt}", fmt, params.export_dtype,
+    exports = {fmt: export_or_cached(params.train.out_dir, f"{base}/{fmt}", fmt, params.export_dtype,
                                 params.speculative_tokens) for fmt in params.export_formats}
     return {"result": result, "loss_curve": png, "exports": exports}

@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.context import TaskRunContext
 
 from eaglenest.ledger import content_key
-from eaglenest.store import StoreError, convert
+from eaglenest.store import StoreError, convert, list_versions
 
 _TRANSIENT = (ConnectionError, TimeoutError)
 
@@ -52,3 +52,13 @@ def convert_to_store(extraction_dir: str, url: str, target_file_bytes: int = 256
     create_markdown_artifact(f"### Store version `{summary.version}`\n\n| field | value |\n|---|---|\n{rows}\n",
                              key="store-convert", description="store conversion summary")
     return s
+
+
+def convert_or_cached(extraction_dir: str, url: str, target_file_bytes: int = 256 << 20,
+                      append: bool = False) -> dict:
+    """``convert_to_store``, converted again (and re-cached) when ``url`` holds no store any more."""
+    try:
+        gone = not list_versions(url)
+    except (OSError, StoreError):
+        gone = True
+    return convert_to_store.with_options(refresh_cache=gone)(extraction_dir, url, target_file_bytes, append)

@@ -97,3 +97,17 @@ def export_task(run_dir: str, out_dir: str, fmt: str = "sglang", dtype: str = "b
     """Export the run's latest checkpoint for an engine; returns the folder."""
     return str(export_drafter(run_dir, Path(out_dir), fmt=fmt, dtype=dtype, speculative_tokens=speculative_tokens,
                               overwrite=True))
+
+
+def train_or_cached(config: TrainConfig) -> dict:
+    """``train_drafter``, except that a run folder that lost its checkpoints (deleted, another disk)
+    is trained again and re-cached, instead of a cache hit describing files that are gone."""
+    gone = pipeline_lib.latest_checkpoint_sha(config.out_dir) is None
+    return train_drafter.with_options(refresh_cache=gone)(config)
+
+
+def export_or_cached(run_dir: str, out_dir: str, fmt: str = "sglang", dtype: str = "bfloat16",
+                     speculative_tokens: int = 3) -> str:
+    """``export_task``, re-exported (and re-cached) when the export folder's weights are gone."""
+    gone = not (Path(out_dir) / "model.safetensors").is_file()
+    return export_task.with_options(refresh_cache=gone)(run_dir, out_dir, fmt, dtype, speculative_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from test_drafter_ddp import write_extraction
 
@@ -39,3 +40,8 @@ def test_train_flow_reports_exports_and_caches(prefect_api, tmp_path, tiny_model
     state = train_flow(params, return_state=True)
     assert state.is_completed() and state.result()["result"] == out["result"]
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics_before  # training did not run again
+
+    shutil.rmtree(tmp_path / "run")  # outputs gone (deleted, other disk): the cache must not pretend they exist
+    again = train_flow(params)
+    assert again["result"]["step"] == 3 and (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert (tmp_path / "run/export/sglang/model.safetensors").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from eaglenest.store import open_store
@@ -25,6 +26,9 @@ def test_convert_flow_writes_store_and_caches_on_ledger_content(prefect_api, tmp
     add_samples(tmp_path / "ex", [fake_shard("late", 5, fake_provenance(), seed=11)])
     grown = convert_flow(params)  # ledger changed -> cache miss -> new version with 4 samples
     assert grown["samples"] == 4 and grown["version"] != first["version"]
+
+    shutil.rmtree(url)  # the store was deleted: a re-run converts again instead of a cache hit on nothing
+    assert convert_flow(params)["version"] == grown["version"] and open_store(url).verify() == []
 
 
 def test_cli_convert_verify_info(tmp_path):
