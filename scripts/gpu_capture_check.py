@@ -22,7 +22,6 @@ Phases (each adds to DIR/report.json when it ends; a failed phase is recorded an
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import random
@@ -36,6 +35,8 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_p1 import bench as prefill_bench
+
 from eaglenest import contract
 from eaglenest.engines.launcher import ServerProcess, embedded_command, log_tail, probe_ready
 from eaglenest.engines.sglang_launcher import build_command, capture_ready, release_work_dir
@@ -141,34 +142,11 @@ def check_batch(server: Server, ids, rids, max_new=0) -> dict:
     return res
 
 
-def bench(server: Server, data, tag, batch=16, threads=8) -> dict:
-    """Prefill-only throughput: concurrent batched requests; returns tok/s and capture bytes/s."""
-    chunks = [(data[i:i + batch], [f"{tag}-{i + j}" for j in range(len(data[i:i + batch]))])
-              for i in range(0, len(data), batch)]
-    nbytes = [0]
-
-    def send(chunk):
-        ids, rids = chunk
-        status, body = server.generate(ids, rids)
-        if status != 200:
-            raise RuntimeError(f"bench request failed {status}: {str(body)[:300]}")
-        for ans in body:
-            nbytes[0] += (ans["meta_info"].get("capture") or {}).get("bytes", 0)
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(send, chunks))
-    wall = time.perf_counter() - t0
-    tokens = sum(len(p) for p in data)
-    return {"tag": tag, "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
-            "capture_bytes": nbytes[0], "capture_bytes_per_s": round(nbytes[0] / wall, 1)}
-
-
 def run_bench(server: Server, data, tags) -> list[dict]:
-    bench(server, data[: max(16, len(data) // 8)], "warm-" + tags[0])  # warm kernels and the writer
+    prefill_bench(server.proc.url, data[: max(16, len(data) // 8)], "warm-" + tags[0], 16)  # warm kernels, writer
     out = []
     for tag in tags:
-        out.append(bench(server, data, tag))
+        out.append(prefill_bench(server.proc.url, data, tag, 16))
         if server.capture:
             for p in server.capture.glob(f"{tag}-*"):
                 p.unlink()

@@ -44,6 +44,8 @@ def say(msg: str) -> None:
 
 
 def bench(url: str, data: list[list[int]], tag: str, batch: int, threads: int = 8) -> dict:
+    """Prefill-only throughput: ``data`` in batched /generate requests from ``threads`` client threads;
+    tok/s and the capture bytes/s the answers' receipts report."""
     chunks = [(data[i:i + batch], [f"{tag}-{i + j}" for j in range(len(data[i:i + batch]))])
               for i in range(0, len(data), batch)]
     nbytes = [0]
@@ -63,7 +65,7 @@ def bench(url: str, data: list[list[int]], tag: str, batch: int, threads: int = 
     wall = time.perf_counter() - t0
     tokens = sum(len(p) for p in data)
     return {"tag": tag, "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
-            "capture_bytes_per_s": round(nbytes[0] / wall, 1)}
+            "capture_bytes": nbytes[0], "capture_bytes_per_s": round(nbytes[0] / wall, 1)}
 
 
 def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:

@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +17,6 @@ import torch
 
 from eaglenest import contract
 from eaglenest.engines import sglang_plugin as plugin
-from eaglenest.engines import sglang_sampler
 from eaglenest.engines.sglang_capture import (
     CaptureConfig,
     CaptureError,
@@ -31,11 +27,9 @@ from eaglenest.engines.sglang_capture import (
     HostBatch,
     ReqView,
     plan_segments,
-    receipt_path,
-    wait_for_receipt,
-    write_receipt,
 )
-from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter
+from eaglenest.engines.sglang_receipts import receipt_path, wait_for_receipt, write_receipt
+from eaglenest.engines.sglang_staging import ProcessWriter
 
 H, IDS = 8, (0, 1, 2)
 EXTEND = "EXTEND"
@@ -241,6 +235,18 @@ def forward(runtime, lp, runner, reqs, prefix, extend, parts, mode=EXTEND):
     return lp(torch.zeros(final.shape[0]), final, "lm_head", dataclasses.replace(fb), aux)
 
 
+def logits_processor(runtime):
+    """A stand-in for sglang's LogitsProcessor, wrapped by the plugin like the target's."""
+
+    class LogitsProcessor(torch.nn.Module):
+        def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+            return hidden_states.shape[0]
+
+    lp = LogitsProcessor()
+    plugin.wrap_logits_processor(lp, runtime)
+    return lp
+
+
 @pytest.fixture(params=["thread", "process"])
 def glue(request, tmp_path, monkeypatch):
     # "process": the production path, shards written by a child process from /dev/shm slots
@@ -251,12 +257,7 @@ def glue(request, tmp_path, monkeypatch):
     runtime = plugin.CaptureRuntime(writer=writer, copier=plugin.DeviceCopier(2, shared=shared), num_aux=3,
                                     extend_mode=EXTEND, runner=runner)
 
-    class LogitsProcessor(torch.nn.Module):
-        def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
-            return hidden_states.shape[0]
-
-    lp = LogitsProcessor()
-    plugin.wrap_logits_processor(lp, runtime)
+    lp = logits_processor(runtime)
     monkeypatch.setattr(plugin, "_runtime", runtime)
     yield runtime, lp, runner, writer
     writer.close()
@@ -385,49 +386,3 @@ def test_register_is_inert_without_configuration(monkeypatch):
     monkeypatch.delenv("EAGLENEST_CAPTURE_DIR", raising=False)
     monkeypatch.delenv(plugin.ENV_PROBE_DRAFT_DIR, raising=False)
     plugin.register()  # sglang is not installed here: any import of it would raise
-
-
-def test_process_writer_fails_requests_clearly_when_its_child_dies(glue, tmp_path):
-    runtime, lp, runner, writer = glue
-    if not isinstance(writer, ProcessWriter):
-        pytest.skip("the child process exists only for the process writer")
-    forward(runtime, lp, runner, [fake_req("ok", 3)], [0], [3], [(0, range(3))])
-    forward(runtime, lp, runner, [fake_req("half", 6)], [0], [3], [(1, range(3))])  # chunk 1 of 2 in the child
-    deadline = time.monotonic() + 30
-    while not receipt_path(tmp_path / "receipts", "ok").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    writer._proc.kill()  # the writer process crashes (OOM killer, bug)
-    writer._proc.wait()
-    forward(runtime, lp, runner, [fake_req("half", 6)], [3], [3], [(1, range(3, 6))])
-    forward(runtime, lp, runner, [fake_req("late", 2)], [0], [2], [(2, range(2))])
-    writer.close(timeout_s=30)  # returns: nothing waits forever on a dead child
-    check_shard(tmp_path / "capture" / "ok.safetensors", 0, 3)
-    for rid in ("half", "late"):
-        receipt = read_receipt(tmp_path, rid)
-        assert receipt["status"] == 500 and "capture writer process" in receipt["message"], receipt
-    assert not list(SHM_DIR.glob(f"eaglenest-{os.getpid()}-*"))  # the child unlinked every slot it mapped
-
-
-def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
-    def spin(seconds):
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            sum(range(200))
-
-    def busy_long():
-        spin(0.6)
-
-    def busy_short():
-        spin(0.2)
-
-    sampler = sglang_sampler.StackSampler(tmp_path, interval_s=0.002)
-    sampler.target = threading.get_ident()  # sample this (test) thread
-    before = sglang_sampler.snapshot(tmp_path)
-    sampler.start()
-    busy_long()
-    busy_short()
-    sampler.stop()
-    shares = dict(sglang_sampler.summarize(before, sglang_sampler.snapshot(tmp_path))["inclusive"])
-    long_share = next(v for k, v in shares.items() if k.endswith(":busy_long"))
-    short_share = next(v for k, v in shares.items() if k.endswith(":busy_short"))
-    assert 1.5 < long_share / short_share < 6  # 3:1 by time

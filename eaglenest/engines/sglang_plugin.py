@@ -46,13 +46,12 @@ from eaglenest.engines.sglang_capture import (
     CaptureWriter,
     HostBatch,
     ReqView,
-    clear_receipt,
     plan_segments,
-    wait_for_receipt,
     wants_capture,
 )
 from eaglenest.engines.sglang_compat import SUPPORTED_SGLANG_VERSIONS
 from eaglenest.engines.sglang_guards import check_server_args
+from eaglenest.engines.sglang_receipts import clear_receipt, wait_for_receipt
 from eaglenest.engines.sglang_staging import DeviceCopier, ProcessWriter, shared_memory_available
 
 log = logging.getLogger("eaglenest.sglang")

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from eaglenest import contract
-from eaglenest.engines.sglang_capture import CaptureWriter, HostBatch, report_failure
+from eaglenest.engines.sglang_capture import CaptureWriter, HostBatch
+from eaglenest.engines.sglang_receipts import report_failure
 
 log = logging.getLogger("eaglenest.sglang")
 SHM_DIR = Path("/dev/shm")

@@ -1,0 +1,69 @@
+"""The capture writer's child process and the scheduler stack sampler (CPU; no sglang needed).
+
+The plugin glue tests in test_sglang_capture.py run through both writers; these cover what only the
+child process can do (die) and the diagnostics sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from test_sglang_capture import EXTEND, check_shard, fake_req, forward, logits_processor, provenance, read_receipt
+
+from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines import sglang_sampler
+from eaglenest.engines.sglang_receipts import receipt_path
+from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter
+
+
+def test_process_writer_fails_requests_clearly_when_its_child_dies(tmp_path, monkeypatch):
+    writer = ProcessWriter(capture_dir=tmp_path / "capture", receipt_dir=tmp_path / "receipts",
+                           provenance=provenance())
+    runner = object()
+    runtime = plugin.CaptureRuntime(writer=writer, copier=plugin.DeviceCopier(2, shared=True), num_aux=3,
+                                    extend_mode=EXTEND, runner=runner)
+    lp = logits_processor(runtime)
+    monkeypatch.setattr(plugin, "_runtime", runtime)
+    forward(runtime, lp, runner, [fake_req("ok", 3)], [0], [3], [(0, range(3))])
+    forward(runtime, lp, runner, [fake_req("half", 6)], [0], [3], [(1, range(3))])  # chunk 1 of 2 in the child
+    deadline = time.monotonic() + 30
+    while not receipt_path(tmp_path / "receipts", "ok").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receipt_path(tmp_path / "receipts", "ok").exists()  # the child wrote the first shard
+    writer._proc.kill()  # the writer process crashes (OOM killer, bug)
+    writer._proc.wait()
+    forward(runtime, lp, runner, [fake_req("half", 6)], [3], [3], [(1, range(3, 6))])
+    forward(runtime, lp, runner, [fake_req("late", 2)], [0], [2], [(2, range(2))])
+    writer.close(timeout_s=30)  # returns: nothing waits forever on a dead child
+    check_shard(tmp_path / "capture" / "ok.safetensors", 0, 3)
+    for rid in ("half", "late"):
+        receipt = read_receipt(tmp_path, rid)
+        assert receipt["status"] == 500 and "capture writer process" in receipt["message"], receipt
+    assert not list(SHM_DIR.glob(f"eaglenest-{os.getpid()}-*"))  # the child unlinked every slot it mapped
+
+
+def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(200))
+
+    def busy_long():
+        spin(0.6)
+
+    def busy_short():
+        spin(0.2)
+
+    sampler = sglang_sampler.StackSampler(tmp_path, interval_s=0.002)
+    sampler.target = threading.get_ident()  # sample this (test) thread
+    before = sglang_sampler.snapshot(tmp_path)
+    sampler.start()
+    busy_long()
+    busy_short()
+    sampler.stop()
+    shares = dict(sglang_sampler.summarize(before, sglang_sampler.snapshot(tmp_path))["inclusive"])
+    long_share = next(v for k, v in shares.items() if k.endswith(":busy_long"))
+    short_share = next(v for k, v in shares.items() if k.endswith(":busy_short"))
+    assert 1.5 < long_share / short_share < 6  # 3:1 by time
