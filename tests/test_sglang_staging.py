@@ -10,12 +10,13 @@ import os
 import threading
 import time
 
+import torch
 from test_sglang_capture import EXTEND, check_shard, fake_req, forward, logits_processor, provenance, read_receipt
 
 from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines import sglang_sampler
 from eaglenest.engines.sglang_receipts import receipt_path
-from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter
+from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter, attach
 
 
 def test_process_writer_fails_requests_clearly_when_its_child_dies(tmp_path, monkeypatch):
@@ -67,3 +68,19 @@ def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
     long_share = next(v for k, v in shares.items() if k.endswith(":busy_long"))
     short_share = next(v for k, v in shares.items() if k.endswith(":busy_short"))
     assert 1.5 < long_share / short_share < 6  # 3:1 by time
+
+
+def test_shared_slot_grows_into_a_new_segment_and_drops_the_old_one():
+    copier = plugin.DeviceCopier(1, shared=True)
+    small = [torch.full((2, 4), float(k)) for k in range(3)]
+    aux, fin, _ready, release, (slot, first) = copier.stage(torch.ones(2, 4), small, [(0, 2)])
+    assert aux.shape == (2, 12) and fin.eq(1).all() and os.path.exists(first)
+    release()
+    big = [torch.full((5000, 4), float(k)) for k in range(3)]
+    aux, fin, _ready, release, (slot2, second) = copier.stage(torch.zeros(5000, 4), big, [(0, 5000)])
+    assert slot2 == slot and second != first and not os.path.exists(first)  # the outgrown segment is gone
+    assert aux[:, 4:8].eq(1).all() and aux[:, 8:].eq(2).all() and fin.eq(0).all()
+    mapped = attach(second)  # what the child sees, by path
+    assert mapped[: 5000 * 12].view(5000, 12).equal(aux) and not os.path.exists(second)
+    release()
+    copier.close()

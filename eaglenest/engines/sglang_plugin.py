@@ -88,7 +88,7 @@ def register() -> None:
     global _http_config
     config = CaptureConfig.from_env()
     probe_dir = os.environ.get(ENV_PROBE_DRAFT_DIR)
-    if os.environ.get(sglang_sampler.ENV_SAMPLE_DIR) and multiprocessing.parent_process() is not None:
+    if multiprocessing.parent_process() is not None:  # scheduler processes; only with EAGLENEST_SAMPLE_PROFILE
         sglang_sampler.maybe_start()
     if config is None and not probe_dir:
         return

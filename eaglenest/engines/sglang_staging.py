@@ -62,9 +62,11 @@ class ShmBuffer:
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.bfloat16, count=numel)
+        self._pinned = False
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), numel * 2, 0)
-            if int(err) != 0:
+            self._pinned = int(err) == 0
+            if not self._pinned:
                 log.warning("eaglenest capture: cudaHostRegister failed (%s); device-to-host copies of captured "
                             "states will be synchronous", err)
 
@@ -74,6 +76,13 @@ class ShmBuffer:
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+    def close(self) -> None:
+        """Unregister and drop the name; the mapping goes with the last reference (no view is in use)."""
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._pinned = False
+        self.unlink()
 
 
 def attach(path: str) -> torch.Tensor:
@@ -107,8 +116,9 @@ class DeviceCopier:
         if buf is None or buf.numel() < need:
             size = int(need * 1.25) + 1024
             if self.shared:
-                if buf is not None:
-                    buf.unlink()
+                if buf is not None:  # released: no batch uses it any more
+                    buf.close()
+                    self._buffers.remove(buf)
                 buf = ShmBuffer(size, pin=cuda)
                 self._buffers.append(buf)
             else:
@@ -153,7 +163,8 @@ class DeviceCopier:
 
     def close(self) -> None:
         for buf in self._buffers:
-            buf.unlink()
+            buf.close()
+        self._buffers.clear()
 
 
 class ProcessWriter:
