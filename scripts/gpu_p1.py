@@ -8,7 +8,8 @@ same flags and the same prompts (random token ids, prefill only: max_new_tokens=
 /generate requests from 8 client threads. A baseline runs two rounds; a capture server runs
 captured / ``nocapture:`` / captured rounds (the middle one measures the plugin's cost without capture).
 Every server first runs a warm-up round. P1 = mean captured tok/s / mean baseline tok/s over all rounds.
-``--profile`` samples the scheduler thread's stack (``eaglenest.engines.sglang_sampler``) per round.
+``--profile`` samples the main thread of the scheduler and of the HTTP process
+(``eaglenest.engines.sglang_sampler``) per round.
 Writes DIR/p1.json and the tail of each server's log.
 """
 
@@ -37,6 +38,8 @@ from eaglenest.engines.sglang_launcher import (
     release_work_dir,
     write_plugin_dist_info,
 )
+
+ROLES = ("sched", "http")  # sampled processes: sglang's scheduler, its HTTP process (tokenizer manager)
 
 
 def say(msg: str) -> None:
@@ -98,11 +101,12 @@ def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:
         tags = ["cap", "nocapture:nocap", "cap"] if cap else ["base", "base"]
         rep["rounds"] = []
         for i, tag in enumerate(tags):
-            before = sglang_sampler.snapshot(profile) if profile else None
+            before = {role: sglang_sampler.snapshot(profile, role) for role in ROLES} if profile else None
             r = bench(proc.url, data, f"{tag}-{name}-{i}", a.batch)
             if profile:
-                time.sleep(1.5)  # let the sampler flush
-                r["profile"] = sglang_sampler.summarize(before, sglang_sampler.snapshot(profile), top=30)
+                time.sleep(1.5)  # let the samplers flush
+                r["profile"] = {role: sglang_sampler.summarize(before[role], sglang_sampler.snapshot(profile, role),
+                                                               top=30) for role in ROLES}
             rep["rounds"].append(r)
             say(f"{name} {tag}: {r['tok_per_s']} tok/s, capture {r['capture_bytes_per_s'] / 1e6:.1f} MB/s")
             if cap:

@@ -88,9 +88,8 @@ def register() -> None:
     global _http_config
     config = CaptureConfig.from_env()
     probe_dir = os.environ.get(ENV_PROBE_DRAFT_DIR)
-    if multiprocessing.parent_process() is not None:  # scheduler processes; only with EAGLENEST_SAMPLE_PROFILE
-        sglang_sampler.maybe_start()
-    if config is None and not probe_dir:
+    profiling = bool(os.environ.get(sglang_sampler.ENV_SAMPLE_DIR))
+    if config is None and not probe_dir and not profiling:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.version import __version__ as version
@@ -106,6 +105,10 @@ def register() -> None:
         HookRegistry.register(T_INIT_REQ, _after_init_req_state, HookType.AFTER)
         HookRegistry.register(T_WAIT_ONE, _around_wait_one_response, HookType.AROUND)
         HookRegistry.register(T_MODEL_INFO, _around_model_info, HookType.AROUND)
+    if profiling and multiprocessing.parent_process() is not None:  # diagnostics: a scheduler has a ModelRunner
+        HookRegistry.register(T_RUNNER, _start_scheduler_sampler, HookType.AFTER)  # (the detokenizer has none)
+    elif profiling:
+        sglang_sampler.maybe_start("http")
     if probe_dir and multiprocessing.parent_process() is not None:
         from eaglenest.engines import sglang_probe
 
@@ -284,6 +287,10 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
         return  # draft runners never capture; a re-initialized backend keeps its runtime (no double wrap)
     _runtime = setup_runtime(runner, config)
     runner._eaglenest_capture = True
+
+
+def _start_scheduler_sampler(result: Any, *args: Any, **kwargs: Any) -> None:
+    sglang_sampler.maybe_start("sched")
 
 
 def _after_init_new(result: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,11 +1,12 @@
-"""Test instrument: a sampling profiler for sglang's scheduler thread (where does a prefill step's time go?).
+"""Test instrument: a sampling profiler for sglang's processes (where does a prefill step's time go?).
 
 Enabled only by ``EAGLENEST_SAMPLE_PROFILE=<dir>`` (GPU diagnostics, never in production); works with or
 without capture, so a baseline server can be profiled the same way (the plugin must be discoverable
-there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process
-looks at the main thread's stack every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts,
-per function, the samples in which it was on the stack (inclusive) and innermost (self). Every few
-seconds it writes ``<dir>/sched-<pid>.json``; :func:`summarize` turns one into the top rows.
+there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process (role ``sched``) and
+in the HTTP process (role ``http``: tokenizer manager, receipt waits) looks at the main thread's stack
+every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per function, the samples in which
+it was on the stack (inclusive) and innermost (self). Every second it writes ``<dir>/<role>-<pid>.json``;
+:func:`snapshot` sums a role's files and :func:`summarize` turns two snapshots into the top rows.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def _label(code) -> str:
 
 
 class StackSampler:
-    def __init__(self, out_dir: str | Path, interval_s: float = 0.005, flush_s: float = 1.0) -> None:
-        self.out = Path(out_dir) / f"sched-{os.getpid()}.json"
+    def __init__(self, out_dir: str | Path, interval_s: float = 0.005, flush_s: float = 1.0,
+                 role: str = "sched") -> None:
+        self.out = Path(out_dir) / f"{role}-{os.getpid()}.json"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s, self.flush_s = interval_s, flush_s
         self.target = threading.main_thread().ident
@@ -87,19 +89,19 @@ class StackSampler:
 _sampler: StackSampler | None = None
 
 
-def maybe_start() -> StackSampler | None:
-    """Start the sampler in this (scheduler) process when ``EAGLENEST_SAMPLE_PROFILE`` is set."""
+def maybe_start(role: str = "sched") -> StackSampler | None:
+    """Start the sampler in this process when ``EAGLENEST_SAMPLE_PROFILE`` is set."""
     global _sampler
     out = os.environ.get(ENV_SAMPLE_DIR)
     if out and _sampler is None:
-        _sampler = StackSampler(out, float(os.environ.get(ENV_SAMPLE_INTERVAL, "0.005"))).start()
+        _sampler = StackSampler(out, float(os.environ.get(ENV_SAMPLE_INTERVAL, "0.005")), role=role).start()
     return _sampler
 
 
-def snapshot(out_dir: str | Path) -> dict[str, Counter]:
-    """Sum of every scheduler's counters in ``out_dir`` (call before and after a workload; subtract)."""
+def snapshot(out_dir: str | Path, role: str = "sched") -> dict[str, Counter]:
+    """Sum of the counters of every ``role`` process in ``out_dir`` (call before and after a workload)."""
     total = {"inclusive": Counter(), "self": Counter(), "samples": Counter()}
-    for path in Path(out_dir).glob("sched-*.json"):
+    for path in Path(out_dir).glob(f"{role}-*.json"):
         data = json.loads(path.read_text())
         total["inclusive"].update(data["inclusive"])
         total["self"].update(data["self"])
