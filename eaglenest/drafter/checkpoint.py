@@ -135,7 +135,7 @@ class CheckpointManager:
             trainer = torch.load(path / "trainer.pt", weights_only=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path}: unreadable checkpoint ({e}); delete it to fall back to the previous") from e
-        bad = [k for k, v in model.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        bad = [k for k, v in model.items() if v.is_floating_point() and not contract.all_finite(v)]
         if bad:
             raise CheckpointError(f"{path}: non-finite weights in {bad}")
         return Checkpoint(path=path, step=int(state["step"]), model=model, optimizer=optimizer, trainer=trainer,

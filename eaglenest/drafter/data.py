@@ -78,10 +78,9 @@ def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtyp
         mask[r, :n] = s.loss_mask[:n].to(torch.bool)
         aux[r, :n] = s.aux_hidden[:n].to(dtype)
         final[r, :n] = s.final_hidden[:n].to(dtype)
-    if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(final).all())):
+    if not (contract.all_finite(aux) and contract.all_finite(final)):
         bad = [sid for sid, s in zip(indices, samples, strict=True)
-               if not (bool(torch.isfinite(s.aux_hidden.float()).all())
-                       and bool(torch.isfinite(s.final_hidden.float()).all()))]
+               if not (contract.all_finite(s.aux_hidden) and contract.all_finite(s.final_hidden))]
         raise contract.ContractError(f"non-finite hidden states in store samples {bad}; re-validate the store")
     return Batch(input_ids=ids, loss_mask=mask, aux_hidden=aux, final_hidden=final,
                  lengths=torch.tensor(lens, dtype=torch.int64), indices=tuple(int(i) for i in indices))
