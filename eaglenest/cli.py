@@ -118,7 +118,7 @@ def model_fetch() -> None:
 @model_app.command("tiny")
 def model_tiny(out: Path, layers: int = 8, hidden: int = 64, vocab: int = 512, seed: int = 0) -> None:
     """Build a tiny random Llama (with a BPE tokenizer and ChatML template) into OUT."""
-    from eaglenest.models import build_tiny_llama
+    from eaglenest.testing.tiny_model import build_tiny_llama
 
     typer.echo(str(build_tiny_llama(out, layers=layers, hidden=hidden, vocab=vocab, seed=seed)))
 

@@ -1,4 +1,4 @@
-"""``eaglenest bench ...``: speculative-decoding benchmarks. Thin: parses options, calls eaglenest.spec.
+"""``eaglenest bench ...``: speculative-decoding benchmarks. Thin: parses options, calls eaglenest.speculative.
 
 Commands: ``live`` (baseline vs EAGLE3 grid + gate, embedded or SGLang), ``cpu`` (side-by-side
 decoder benchmark in one process), ``offline`` (store simulation), ``prompts`` (export a prompt set
@@ -42,7 +42,7 @@ def serve(
     """Embedded server for benchmarks: greedy requests decoded plainly or with EAGLE-3 (SGLang's flags)."""
     from eaglenest.engines.serving import serve as run
     from eaglenest.models import resolve_model
-    from eaglenest.spec.serve import SpecConfig, build_bench_engine
+    from eaglenest.speculative.serve import SpecConfig, build_bench_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
@@ -86,8 +86,8 @@ def live(
     sglang_arg: Annotated[list[str] | None, typer.Option(help="extra sglang argument (repeatable)")] = None,
 ) -> None:
     """Baseline vs EAGLE3 at each concurrency; report + plots; exit 1 when the gate fails."""
-    from eaglenest.spec import bench as B
-    from eaglenest.spec.report import gate, write_report
+    from eaglenest.speculative import bench as B
+    from eaglenest.speculative.report import gate, write_report
 
     cfg = B.BenchConfig(engine=engine, model=model, draft=draft, num_steps=steps, topk=topk,
                         num_draft_tokens=draft_tokens, prompt_set=prompt_set, prompt_file=prompt_file,
@@ -126,7 +126,7 @@ def cpu(
     out: Annotated[Path | None, typer.Option(help="write the JSON result here")] = None,
 ) -> None:
     """Accept length and wall-clock speedup of a drafter vs plain greedy, side by side in one process."""
-    from eaglenest.spec.cpu_bench import run_cpu_bench
+    from eaglenest.speculative.cpu_bench import run_cpu_bench
 
     result = run_cpu_bench(model=model, draft=draft, prompt_set=prompt_set, num_prompts=num_prompts,
                            max_new_tokens=max_new_tokens, num_steps=steps, dtype=dtype,
@@ -148,7 +148,7 @@ def offline(
     live_tokens: Annotated[int, typer.Option(help="new tokens per live-checked prompt")] = 64,
 ) -> None:
     """Teacher-forced accept length of a drafter on a store's held-out samples (+ live calibration)."""
-    from eaglenest.spec.bench import BenchConfig, model_path, offline_step
+    from eaglenest.speculative.bench import BenchConfig, model_path, offline_step
 
     cfg = BenchConfig(model=model, draft=draft, num_steps=steps, store_url=store, heldout_fraction=heldout_fraction,
                       offline_max_samples=max_samples)
@@ -157,10 +157,10 @@ def offline(
     if live_check:
         from eaglenest.drafter.data import open_store
         from eaglenest.engines.runtime import TargetRunner
-        from eaglenest.spec.cpu_bench import live_accept_on_samples
-        from eaglenest.spec.draft import draft_aux_layer_ids
-        from eaglenest.spec.offline import calibrate
-        from eaglenest.spec.serve import load_spec_decoder
+        from eaglenest.speculative.cpu_bench import live_accept_on_samples
+        from eaglenest.speculative.draft import draft_aux_layer_ids
+        from eaglenest.speculative.offline import calibrate
+        from eaglenest.speculative.serve import load_spec_decoder
 
         st = open_store(store)
         by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
@@ -184,7 +184,7 @@ def prompts(
     from transformers import AutoTokenizer
 
     from eaglenest.models import resolve_model
-    from eaglenest.spec import prompts as P
+    from eaglenest.speculative import prompts as P
 
     ps = P.load_prompt_set(prompt_set, limit=limit)
     ids = P.tokenize(ps, AutoTokenizer.from_pretrained(str(resolve_model(model))))
@@ -195,7 +195,7 @@ def prompts(
 @app.command()
 def plot(report: Annotated[Path, typer.Argument(help="report.json (e.g. from scripts/gpu_bench_grid.py)")]) -> None:
     """Write report.md and the PNG plots next to a report.json."""
-    from eaglenest.spec.report import read_report, write_report
+    from eaglenest.speculative.report import read_report, write_report
 
     paths = write_report(read_report(report), report.parent)
     typer.echo(", ".join(str(p) for p in paths.values()))

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from eaglenest import contract
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.extract_config import ExtractParams
-from eaglenest.spec.bench import BenchConfig
-from eaglenest.wheels import sha256_file
+from eaglenest.packaged_data import sha256_file
+from eaglenest.speculative.bench import BenchConfig
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
 STAGES: tuple[Stage, ...] = ("extract", "convert", "train", "export", "bench")

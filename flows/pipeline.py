@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from eaglenest import pipeline as lib
 from eaglenest.extract_config import ExtractParams
-from eaglenest.wheels import sha256_file
+from eaglenest.packaged_data import sha256_file
 from flows.bench import bench
 from flows.extract import extract
 from tasks.store import convert_or_cached

@@ -43,9 +43,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
 from eaglenest.engines.launcher import LaunchError, ServerProcess
-from eaglenest.spec.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.spec.live import ServerResult, bench_server, end_recorded_servers
-from eaglenest.spec.report import gate, markdown_table, write_report
+from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
+from eaglenest.speculative.live import ServerResult, bench_server, end_recorded_servers
+from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
 def gpu_name() -> str:

@@ -40,7 +40,7 @@ from gpu_p1 import bench as prefill_bench
 from eaglenest import contract
 from eaglenest.engines.launcher import ServerProcess, embedded_command, log_tail, probe_ready
 from eaglenest.engines.sglang_launcher import build_command, capture_ready, release_work_dir
-from eaglenest.engines.sglang_probe import read_probe
+from eaglenest.testing.sglang_probe import read_probe
 
 REPORT: dict = {"phases": {}, "errors": []}
 

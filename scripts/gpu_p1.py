@@ -9,7 +9,7 @@ same flags and the same prompts (random token ids, prefill only: max_new_tokens=
 captured / ``nocapture:`` / captured rounds (the middle one measures the plugin's cost without capture).
 Every server first runs a warm-up round. P1 = mean captured tok/s / mean baseline tok/s over all rounds.
 ``--profile`` samples the main thread of the scheduler and of the HTTP process
-(``eaglenest.engines.sglang_sampler``) per round.
+(``eaglenest.testing.sglang_profiler``) per round.
 Writes DIR/p1.json and the tail of each server's log.
 """
 
@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eaglenest.engines import sglang_sampler
 from eaglenest.engines.launcher import ServerProcess, log_tail, probe_ready
 from eaglenest.engines.sglang_launcher import (
     build_command,
@@ -38,6 +37,7 @@ from eaglenest.engines.sglang_launcher import (
     release_work_dir,
     write_plugin_dist_info,
 )
+from eaglenest.testing import sglang_profiler
 
 ROLES = ("sched", "http")  # sampled processes: sglang's scheduler, its HTTP process (tokenizer manager)
 
@@ -82,7 +82,7 @@ def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:
     profile = out / "profile" / name if a.profile else None
     work = None
     if profile:
-        env = {**env, sglang_sampler.ENV_SAMPLE_DIR: str(profile)}
+        env = {**env, sglang_profiler.ENV_SAMPLE_DIR: str(profile)}
         if cap is None:  # make the (inert) plugin discoverable so the baseline's scheduler is sampled too
             work = Path(tempfile.mkdtemp(prefix="p1site-"))
             write_plugin_dist_info(work)
@@ -101,11 +101,11 @@ def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:
         tags = ["cap", "nocapture:nocap", "cap"] if cap else ["base", "base"]
         rep["rounds"] = []
         for i, tag in enumerate(tags):
-            before = {role: sglang_sampler.snapshot(profile, role) for role in ROLES} if profile else None
+            before = {role: sglang_profiler.snapshot(profile, role) for role in ROLES} if profile else None
             r = bench(proc.url, data, f"{tag}-{name}-{i}", a.batch)
             if profile:
                 time.sleep(1.5)  # let the samplers flush
-                r["profile"] = {role: sglang_sampler.summarize(before[role], sglang_sampler.snapshot(profile, role),
+                r["profile"] = {role: sglang_profiler.summarize(before[role], sglang_profiler.snapshot(profile, role),
                                                                top=30) for role in ROLES}
             rep["rounds"].append(r)
             say(f"{name} {tag}: {r['tok_per_s']} tok/s, capture {r['capture_bytes_per_s'] / 1e6:.1f} MB/s")

@@ -16,7 +16,7 @@ device commands while the machine stays warm (WORK under /tmp survives between t
 - reference: per-layer comparison of captured shards with a transformers bf16 forward on the GPU.
 - store:     ledger -> Arrow-indexed store.   train: EAGLE-3 drafter on the GPU.   export: SGLang folder,
              packed into <= 15 MB parts under OUT (bring it back; keep it out of git).
-The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.spec), run after these.
+The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.speculative), run after these.
 
 ``--engine embedded`` dry-runs every phase on the CPU with the embedded server (tiny sizes).
 """

@@ -1,11 +1,11 @@
-"""Prefect tasks for the speculative-decoding benchmark: thin shells over ``eaglenest.spec.bench``.
+"""Prefect tasks for the speculative-decoding benchmark: thin shells over ``eaglenest.speculative.bench``.
 
 - Nothing is cached: a benchmark is a measurement, and a cached number would hide a regression.
 - ``live_grid`` retries once, only for what a relaunch can fix (the server never became ready, or
   every request of a level failed); a gate miss is never retried.
 - ``publish_report`` writes report.json / report.md / PNGs and the same content as artifacts
   (a table per concurrency, the Markdown summary, and both plots as images).
-- ``check_gate`` fails the task (hence the flow) with :class:`~eaglenest.spec.report.GateFailed`
+- ``check_gate`` fails the task (hence the flow) with :class:`~eaglenest.speculative.report.GateFailed`
   whose message says the speedup, the threshold and what to do.
 """
 
@@ -20,9 +20,9 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from prefect.cache_policies import NO_CACHE
 
 from eaglenest.engines.launcher import LaunchError
-from eaglenest.spec import bench as lib
-from eaglenest.spec.live import BenchError, ServerResult, end_recorded_servers
-from eaglenest.spec.report import BenchReport, GateResult, markdown_table, require_gate, write_report
+from eaglenest.speculative import bench as lib
+from eaglenest.speculative.live import BenchError, ServerResult, end_recorded_servers
+from eaglenest.speculative.report import BenchReport, GateResult, markdown_table, require_gate, write_report
 
 
 def _retry_if_relaunch_helps(task, task_run, state) -> bool:

@@ -246,7 +246,7 @@ def _drive(middleware, n):
 
 
 def test_fault_gate_applies_faults_only_while_the_gate_file_exists(tmp_path):
-    from eaglenest.engines.faults import FaultMiddleware, Faults
+    from eaglenest.testing.faults import FaultMiddleware, Faults
 
     async def ok_app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglenest import contract
+from eaglenest import contract, engines
 from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.sglang_capture import (
     CaptureConfig,
@@ -384,5 +384,5 @@ def test_model_info_block_reads_the_writer_provenance(tmp_path):
 
 def test_register_is_inert_without_configuration(monkeypatch):
     monkeypatch.delenv("EAGLENEST_CAPTURE_DIR", raising=False)
-    monkeypatch.delenv(plugin.ENV_PROBE_DRAFT_DIR, raising=False)
+    monkeypatch.delenv(engines.ENV_PROBE_DRAFT_DIR, raising=False)
     plugin.register()  # sglang is not installed here: any import of it would raise

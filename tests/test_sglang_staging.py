@@ -14,9 +14,9 @@ import torch
 from test_sglang_capture import EXTEND, check_shard, fake_req, forward, logits_processor, provenance, read_receipt
 
 from eaglenest.engines import sglang_plugin as plugin
-from eaglenest.engines import sglang_sampler
 from eaglenest.engines.sglang_receipts import receipt_path
 from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter, attach
+from eaglenest.testing import sglang_profiler
 
 
 def test_process_writer_fails_requests_clearly_when_its_child_dies(tmp_path, monkeypatch):
@@ -57,14 +57,14 @@ def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
     def busy_short():
         spin(0.2)
 
-    sampler = sglang_sampler.StackSampler(tmp_path, interval_s=0.002)
+    sampler = sglang_profiler.StackSampler(tmp_path, interval_s=0.002)
     sampler.target = threading.get_ident()  # sample this (test) thread
-    before = sglang_sampler.snapshot(tmp_path)
+    before = sglang_profiler.snapshot(tmp_path)
     sampler.start()
     busy_long()
     busy_short()
     sampler.stop()
-    shares = dict(sglang_sampler.summarize(before, sglang_sampler.snapshot(tmp_path))["inclusive"])
+    shares = dict(sglang_profiler.summarize(before, sglang_profiler.snapshot(tmp_path))["inclusive"])
     long_share = next(v for k, v in shares.items() if k.endswith(":busy_long"))
     short_share = next(v for k, v in shares.items() if k.endswith(":busy_short"))
     assert 1.5 < long_share / short_share < 6  # 3:1 by time

@@ -9,9 +9,9 @@ import pytest
 import torch
 from spec_support import one_thread, random_prompts
 
-from eaglenest.spec.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
-from eaglenest.spec.draft import DraftLoadError, load_exported_drafter, write_random_draft
-from eaglenest.spec.serve import load_spec_decoder
+from eaglenest.speculative.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
+from eaglenest.speculative.draft import DraftLoadError, load_exported_drafter, write_random_draft
+from eaglenest.speculative.serve import load_spec_decoder
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +134,7 @@ def test_accept_stats_by_hand():
 
 def test_drafter_rollback_equals_a_fresh_start(spec_tiny):
     """After propose/advance cycles, the drafter's cache state equals one built from scratch."""
-    from eaglenest.spec.decoder import Eagle3Proposer
+    from eaglenest.speculative.decoder import Eagle3Proposer
 
     runner, _, fitted, seqs, plens = spec_tiny
     draft = load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight)
@@ -178,8 +178,8 @@ def test_smollm2_with_trained_drafter_is_lossless():
         pytest.skip("set EAGLENEST_TRAINED_DRAFTER to an exported SmolLM2 drafter folder")
     from eaglenest.engines.runtime import TargetRunner
     from eaglenest.models import ensure_default_model
-    from eaglenest.spec import prompts as P
-    from eaglenest.spec.draft import draft_aux_layer_ids
+    from eaglenest.speculative import prompts as P
+    from eaglenest.speculative.draft import draft_aux_layer_ids
 
     torch.set_num_threads(2)
     runner = TargetRunner(ensure_default_model(), dtype="float32", aux_layer_ids=draft_aux_layer_ids(path))
@@ -198,8 +198,9 @@ def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_mode
     """eaglenest.drafter's export -> this loader gives the model its own loader gives; other targets refused."""
     from eaglenest.drafter.export import TrainedDrafter, export_drafter, load_drafter
     from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
-    from eaglenest.models import build_tiny_llama, load_config
-    from eaglenest.spec.draft import check_export_matches
+    from eaglenest.models import load_config
+    from eaglenest.speculative.draft import check_export_matches
+    from eaglenest.testing.tiny_model import build_tiny_llama
 
     runner = spec_tiny[0]
     cfg = DrafterConfig.from_target(load_config(tiny_model_dir), aux_layer_ids=runner.aux_layer_ids,
@@ -223,7 +224,7 @@ def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_mode
 
 
 def test_side_by_side_benchmark_accounts_both_methods(spec_tiny):
-    from eaglenest.spec.cpu_bench import side_by_side
+    from eaglenest.speculative.cpu_bench import side_by_side
 
     runner, _, fitted, seqs, plens = spec_tiny
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:3]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from eaglenest.spec import prompts as P
-from eaglenest.spec.bench import BenchConfig
+from eaglenest.speculative import prompts as P
+from eaglenest.speculative.bench import BenchConfig
 
 
 def test_config_validation_names_the_field(tmp_path):

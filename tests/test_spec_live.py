@@ -9,7 +9,7 @@ import httpx
 import pytest
 from spec_support import level, one_thread, report
 
-from eaglenest.spec.live import (
+from eaglenest.speculative.live import (
     drive_level,
     percentile,
     run_levels,
@@ -17,8 +17,8 @@ from eaglenest.spec.live import (
     server_info,
     sglang_command,
 )
-from eaglenest.spec.report import GateFailed, gate, read_report, require_gate, write_report
-from eaglenest.spec.serve import SpecConfig
+from eaglenest.speculative.report import GateFailed, gate, read_report, require_gate, write_report
+from eaglenest.speculative.serve import SpecConfig
 
 
 @pytest.fixture(autouse=True)
@@ -90,8 +90,8 @@ def test_embedded_eagle3_server_reports_like_sglang(spec_tiny):
     """The embedded engine with the EAGLE-3 decoder: SGLang's meta_info/server_info, lossless output."""
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.engines.serving import BackgroundServer
-    from eaglenest.spec.decoder import plain_greedy
-    from eaglenest.spec.serve import SpecGreedy, load_spec_decoder
+    from eaglenest.speculative.decoder import plain_greedy
+    from eaglenest.speculative.serve import SpecGreedy, load_spec_decoder
 
     runner, _, fitted, seqs, plens = spec_tiny
     engine = EmbeddedEngine(runner, capture_dir=None,

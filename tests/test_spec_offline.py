@@ -9,9 +9,9 @@ import torch
 from spec_support import one_thread
 
 from eaglenest.drafter.data import held_out
-from eaglenest.spec.decoder import Eagle3Proposer
-from eaglenest.spec.draft import load_exported_drafter
-from eaglenest.spec.offline import (
+from eaglenest.speculative.decoder import Eagle3Proposer
+from eaglenest.speculative.draft import load_exported_drafter
+from eaglenest.speculative.offline import (
     SampleChains,
     calibrate,
     chain_drafts,
@@ -20,7 +20,7 @@ from eaglenest.spec.offline import (
     score_sample,
     summarize,
 )
-from eaglenest.spec.serve import load_spec_decoder
+from eaglenest.speculative.serve import load_spec_decoder
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +167,7 @@ def test_calibration():
 
 def test_offline_estimate_is_calibrated_against_live_decoding(spec_tiny):
     """Same held-out prompts decoded live: the store simulation predicts the live accept length."""
-    from eaglenest.spec.cpu_bench import live_accept_on_samples
+    from eaglenest.speculative.cpu_bench import live_accept_on_samples
 
     runner, _, fitted, seqs, plens = spec_tiny
     store = make_store(runner, seqs, plens)

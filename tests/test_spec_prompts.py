@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from eaglenest.spec import prompts as P
+from eaglenest.speculative import prompts as P
 
 
 def fake_wheel(cache, name, member, payload: bytes):

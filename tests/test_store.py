@@ -15,7 +15,7 @@ from eaglenest.contract import read_shard
 from eaglenest.ledger import Ledger, spans_to_mask
 from eaglenest.store import StoreNotFound, convert, list_versions, open_store
 from eaglenest.store import layout as L
-from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction
+from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
 LENGTHS = [7, 1, 33, 12, 64, 5, 20, 9, 40, 3]
 

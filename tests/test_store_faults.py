@@ -20,7 +20,7 @@ from eaglenest.contract import ContractError, UnknownSchemaVersion
 from eaglenest.ledger import Ledger, LedgerEntry
 from eaglenest.store import StoreCorrupt, StoreDiskFull, StoreNotFound, convert, list_versions, open_store
 from eaglenest.store import layout as L
-from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction
+from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
 LENGTHS = [30] * 12
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from eaglenest.store import open_store
-from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction
+from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
 
 def test_convert_flow_writes_store_and_caches_on_ledger_content(prefect_api, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eaglenest.store import layout as L
-from eaglenest.store.testing import fake_provenance
+from eaglenest.testing.fake_store import fake_provenance
 
 
 class SparseSink:

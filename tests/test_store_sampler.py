@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eaglenest.store import LengthBucketSampler, StoreDataset, convert, open_store, split_indices
-from eaglenest.store.testing import make_extraction
+from eaglenest.testing.fake_store import make_extraction
 
 LENGTHS = np.random.default_rng(0).integers(1, 300, size=500).tolist()
 

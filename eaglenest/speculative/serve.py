@@ -1,6 +1,6 @@
 """The embedded server as a benchmark target: plain or EAGLE-3 greedy decoding behind SGLang's API.
 
-Owns the glue between :mod:`eaglenest.spec.decoder` and the embedded engine's opt-in
+Owns the glue between :mod:`eaglenest.speculative.decoder` and the embedded engine's opt-in
 ``greedy_decoder`` hook, and the command line that starts such a server in its own process
 (``python -m eaglenest bench serve ...``), so the live benchmark drives it exactly like SGLang:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engines.runtime import Generation, TargetRunner
-from eaglenest.spec.decoder import OneDNN, SpecDecoder, plain_greedy
+from eaglenest.speculative.decoder import OneDNN, SpecDecoder, plain_greedy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,7 +100,7 @@ class PlainGreedy:
 def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, num_steps: int = 3,
                       onednn: OneDNN = OneDNN()) -> SpecDecoder:
     """An EAGLE-3 decoder over ``runner`` with the exported draft in ``draft_dir`` (target's embedding)."""
-    from eaglenest.spec.draft import check_export_matches, load_exported_drafter
+    from eaglenest.speculative.draft import check_export_matches, load_exported_drafter
 
     check_export_matches(draft_dir, runner.model_dir)
     draft = load_exported_drafter(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
@@ -112,7 +112,7 @@ def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = 
                        dtype: str = "auto", onednn: str = "onednn"):
     """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3."""
     from eaglenest.engines.embedded import EmbeddedEngine
-    from eaglenest.spec.draft import draft_aux_layer_ids
+    from eaglenest.speculative.draft import draft_aux_layer_ids
 
     if spec.topk != 1:
         raise ValueError("the embedded decoder runs chain speculation only: use topk=1")

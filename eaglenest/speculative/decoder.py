@@ -216,7 +216,7 @@ class SpecDecoder:
     def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, num_steps: int = 3,
                onednn: OneDNN = OneDNN()) -> SpecDecoder:
         if tuple(runner.aux_layer_ids) != draft.config.aux_layer_ids:
-            from eaglenest.spec.draft import DraftLoadError
+            from eaglenest.speculative.draft import DraftLoadError
 
             raise DraftLoadError(f"drafter reads aux layers {list(draft.config.aux_layer_ids)}, target captures "
                                  f"{list(runner.aux_layer_ids)}")

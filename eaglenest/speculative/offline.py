@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
-from eaglenest.spec.draft import load_exported_drafter, target_embedding, target_lm_head
+from eaglenest.speculative.draft import load_exported_drafter, target_embedding, target_lm_head
 
 
 class SampleLike(Protocol):
@@ -192,7 +192,7 @@ def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequen
 def load_offline_draft(model_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32"
                        ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """The draft (with the target's embedding) and the target's LM head [V, H], without the target model."""
-    from eaglenest.spec.draft import check_export_matches
+    from eaglenest.speculative.draft import check_export_matches
 
     check_export_matches(draft_dir, model_dir)
     dt = getattr(torch, dtype)

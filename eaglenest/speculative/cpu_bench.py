@@ -8,7 +8,7 @@ Owns the measurement protocol behind ``scripts/bench_spec_cpu.py`` and ``eaglene
   policy with the BEST plain policy (FACTS.md: never against the default setting);
 - losslessness: each speculative output is compared with the plain output under the same policy;
   fp32 must match exactly, bf16 may differ where a batched verify rounds differently (reported);
-- acceptance: :class:`~eaglenest.spec.decoder.AcceptStats` over all verify cycles (bonus counted).
+- acceptance: :class:`~eaglenest.speculative.decoder.AcceptStats` over all verify cycles (bonus counted).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.spec.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
+from eaglenest.speculative.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,9 +160,9 @@ def run_cpu_bench(
     import tempfile
 
     from eaglenest.models import resolve_model
-    from eaglenest.spec import prompts as P
-    from eaglenest.spec.draft import draft_aux_layer_ids, write_random_draft
-    from eaglenest.spec.serve import load_spec_decoder
+    from eaglenest.speculative import prompts as P
+    from eaglenest.speculative.draft import draft_aux_layer_ids, write_random_draft
+    from eaglenest.speculative.serve import load_spec_decoder
 
     model_dir = resolve_model(model)
     notes = []
@@ -186,7 +186,7 @@ def run_cpu_bench(
 
 def live_accept_on_samples(decoder: SpecDecoder, samples: Sequence[Any], *, max_new_tokens: int = 64) -> AcceptStats:
     """Live accept length of ``decoder`` on the prompts of store samples (tokens before the first loss
-    token): the number :func:`eaglenest.spec.offline.offline_accept_length` predicts for the same samples."""
+    token): the number :func:`eaglenest.speculative.offline.offline_accept_length` predicts for the same samples."""
     accepted: list[int] = []
     drafted: list[int] = []
     for s in samples:
