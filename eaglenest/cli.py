@@ -81,15 +81,14 @@ def demo(
     import httpx
 
     from eaglenest.contract import read_shard
-    from eaglenest.engines.launcher import ServerProcess, embedded_command, launched
-    from eaglenest.engines.serving import free_port
+    from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
     from eaglenest.models import ensure_default_model
 
     model_dir = ensure_default_model()
     port = port or free_port()
     capture = out / "capture"
     cmd = embedded_command(model=str(model_dir), port=port, capture_dir=str(capture))
-    server = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=out / "server.log")
+    server = local_server(cmd, port=port, log_path=out / "server.log")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

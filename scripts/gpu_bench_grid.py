@@ -42,9 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
-from eaglenest.engines.launcher import LaunchError, ServerProcess
+from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
 from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.speculative.live import ServerResult, bench_server, end_recorded_servers
+from eaglenest.speculative.live import ServerResult, bench_server
 from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
@@ -96,12 +96,12 @@ def main() -> int:
         if name in results or (a.only and a.only != name):
             continue
         print(f"== {name}: {' '.join(cmds[name])}", flush=True)
-        server = ServerProcess(cmd=cmds[name], url=f"http://127.0.0.1:{cfg.port}", log_path=out / f"server_{name}.log")
+        server = local_server(cmds[name], port=cfg.port, log_path=out / f"server_{name}.log")
         try:
             results[name] = bench_server(
                 name, server, prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens,
                 requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
-                timeout_s=cfg.request_timeout_s, pidfile=out / "servers.jsonl",
+                timeout_s=cfg.request_timeout_s, pidfile=out / "servers.json",
                 progress=lambda n, lv: print(f"{n:8s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
                                              f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
                                              f"{lv.accept_length}  errors {lv.errors}", flush=True))
@@ -109,7 +109,7 @@ def main() -> int:
             print(f"{name} failed to launch: {e}", flush=True)
             return 1
         finally:
-            end_recorded_servers(out / "servers.jsonl")  # bench_server stopped it; this clears the record
+            end_recorded_servers(out / "servers.json")  # bench_server stopped it; this clears the record
         (out / f"server_{name}.json").write_text(json.dumps(results[name].to_json(), indent=1))
         print(f"{name}: started in {results[name].startup_s:.0f} s; server accept length "
               f"{results[name].server_accept_length}", flush=True)

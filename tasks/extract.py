@@ -33,10 +33,9 @@ from prefect.cache_policies import NO_CACHE
 from eaglenest import extract as lib
 from eaglenest import extract_run as run
 from eaglenest.data.samples import Sample
-from eaglenest.engines.launcher import LaunchError
+from eaglenest.engines.pool import LaunchError, ServerPool, end_recorded_servers
 from eaglenest.extract_config import ExtractParams
 from eaglenest.prefill import PrefillProgress
-from eaglenest.servers import ServerPool, end_recorded_servers
 
 RESULTS_DIR = "prefect-results"
 

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from eaglenest.engines.pool import ServerRecords
 from tests.extract_helpers import ledger_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,7 +310,7 @@ def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artif
         assert stack.state(run_id).type.value not in FINAL, "the run ended before it could be killed mid-extraction"
         assert time.monotonic() < deadline, "no sample ledgered in 180 s:\n" + _tail(stack.logs / "worker.log")
         time.sleep(0.1)
-    server_pids = json.loads((ext_dir / "servers.json").read_text())["pids"]
+    server_pids = ServerRecords(ext_dir / "servers.json").pids()
     os.kill(pid, signal.SIGTERM)
     assert stack.wait(run_id, timeout_s=60) == "CRASHED", _states(stack, run_id)
     assert server_pids and all(_group_gone(p) for p in server_pids)  # no orphaned capture server

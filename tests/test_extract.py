@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
+from eaglenest.engines.preflight import PreflightError
 from eaglenest.extract import ConfigChanged, open_extraction
 from eaglenest.extract_run import run_extraction
-from eaglenest.servers import PreflightError
 from tests.extract_helpers import assert_complete_and_exact, ledger_ids, ledger_lines, with_
 
 

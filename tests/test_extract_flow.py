@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.engines.pool import ServerRecords
 from eaglenest.extract import open_extraction
 from eaglenest.extract_config import ExtractParams
 from eaglenest.ledger import Ledger
@@ -87,7 +88,7 @@ def _sigterm_flow_when(params, ready, extra_env):
 
 def _recorded_pid(ext_dir, *, after_shards=False):
     rec = ext_dir / "servers.json"
-    pids = json.loads(rec.read_text())["pids"] if rec.is_file() else []
+    pids = ServerRecords(rec).pids()
     if pids and (not after_shards or list((ext_dir / "capture").glob("*.safetensors"))):
         return pids[0]
     return None

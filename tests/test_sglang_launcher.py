@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglenest.engines import sglang_launcher as sl
-from eaglenest.engines.launcher import LaunchError
+from eaglenest.engines.pool import LaunchError
 from eaglenest.engines.sglang_capture import CaptureConfig
 from eaglenest.engines.sglang_guards import REQUIRED_FLAGS, check_server_args, check_user_args
 

@@ -42,7 +42,7 @@ def test_bench_flow_fails_the_gate_with_a_clear_message(prefect_api, spec_tiny, 
     assert all(lv["errors"] == 0 and lv["accept_length"] > 1.2 for lv in report["eagle3"]["levels"])
     assert all(lv["accept_length"] is None for lv in report["baseline"]["levels"])
     assert (out / "tok_s.png").is_file() and (out / "accept_length.png").is_file()
-    assert not (out / "servers.jsonl").exists()  # every server process group was ended
+    assert not (out / "servers.json").exists()  # every server process group was ended
 
     async def artifact_keys():
         async with get_client() as client:

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse
 
 from eaglenest import contract
 from eaglenest.engines import ENV_FAULTS
+from eaglenest.engines.pool import ENV_LAUNCH_TOKEN
 from eaglenest.engines.runtime import Captured, Generation, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -389,7 +390,8 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
 
         info = {"version": __version__, "engine": "embedded", "stats": dict(engine.stats),
                 "context_length": engine.runner.context_length, "dtype": engine.runner.dtype_name,
-                "max_batch_size": engine.settings.max_batch_size}
+                "max_batch_size": engine.settings.max_batch_size,
+                "launch_token": os.environ.get(ENV_LAUNCH_TOKEN)}  # lets a launcher tell its server from a leftover
         if engine.greedy_decoder is not None and hasattr(engine.greedy_decoder, "server_info"):
             info.update(engine.greedy_decoder.server_info(engine.stats))  # speculative_* like SGLang's
         return info

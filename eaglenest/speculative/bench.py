@@ -11,7 +11,7 @@ record saved beside every report) and the steps the CLI, the Prefect tasks and t
 
 Servers: ``engine="sglang"`` runs ``python -m sglang.launch_server`` (baseline with CUDA graphs on
 unless disabled); ``engine="embedded"`` runs ``python -m eaglenest bench serve`` (the embedded engine
-with the EAGLE-3 decoder). Both are owned by :class:`~eaglenest.engines.launcher.ServerProcess`.
+with the EAGLE-3 decoder). Both are owned by :class:`~eaglenest.engines.pool.ServerProcess`.
 """
 
 from __future__ import annotations
@@ -145,17 +145,15 @@ def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
 
 def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
     """Launch baseline then EAGLE3 (each in its own process group) and measure every level."""
-    from eaglenest.engines.launcher import ServerProcess
-    from eaglenest.engines.serving import free_port
+    from eaglenest.engines.pool import free_port, local_server
     from eaglenest.speculative.live import live_grid
 
     port = cfg.port or (30000 if cfg.engine == "sglang" else free_port())
     base_cmd, eagle_cmd = server_commands(cfg, port)
-    url = f"http://127.0.0.1:{port}"
     logs = Path(cfg.output_dir) / "logs"
     return live_grid(
-        ServerProcess(cmd=base_cmd, url=url, log_path=logs / "baseline.log"),
-        ServerProcess(cmd=eagle_cmd, url=url, log_path=logs / "eagle3.log"),
+        local_server(base_cmd, port=port, log_path=logs / "baseline.log"),
+        local_server(eagle_cmd, port=port, log_path=logs / "eagle3.log"),
         prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens, ignore_eos=cfg.ignore_eos,
         requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
         timeout_s=cfg.request_timeout_s, progress=progress, pidfile=pidfile(cfg),
@@ -164,7 +162,7 @@ def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
 
 def pidfile(cfg: BenchConfig) -> Path:
     """Where the live step records its server process groups (for teardown after a crash)."""
-    return Path(cfg.output_dir) / "servers.jsonl"
+    return Path(cfg.output_dir) / "servers.json"
 
 
 def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:

@@ -10,9 +10,9 @@ Owns the load generator and the two-server grid; the same code drives SGLang and
   spec_verify_ct`` summed over requests (bonus token counted; SGLang's own per-request
   ``spec_accept_length`` = completion_tokens / spec_verify_ct also counts the prefill's first token)
   and, as a cross-check, ``/get_server_info`` ``internal_states[0].avg_spec_accept_length``.
-- :func:`bench_server` launches one server (:class:`~eaglenest.engines.launcher.ServerProcess`, its own
+- :func:`bench_server` launches one server (:class:`~eaglenest.engines.pool.ServerProcess`, its own
   process group, ready after a real request), warms it up, runs every level, and always stops it;
-  the group is recorded in a pid file so a crashed flow's hook can end it (:func:`end_recorded_servers`).
+  the group is recorded (:class:`~eaglenest.engines.pool.ServerRecords`) so a crashed flow's hook can end it.
 - :func:`sglang_command` builds a plain ``python -m sglang.launch_server`` command (CUDA graphs on
   unless disabled; EAGLE3 flags from :class:`~eaglenest.speculative.serve.SpecConfig`).
 
@@ -22,7 +22,6 @@ Invariant: requests carry ``nocapture:`` rids, so a capturing server never write
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
-from eaglenest.engines.launcher import ServerProcess, kill_group, probe_ready
+from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready, sglang_flags
 from eaglenest.speculative.serve import SpecConfig
 
 
@@ -227,14 +226,11 @@ def bench_server(
     """Launch ``server``, warm it up, run every concurrency level, stop it (whole process group).
 
     ``pidfile`` records the server's process group so a crashed caller can end it later
-    (:func:`end_recorded_servers`).
+    (:func:`~eaglenest.engines.pool.end_recorded_servers`).
     """
     t0 = time.monotonic()
-    server.start()
-    try:
-        if pidfile is not None:
-            _record(pidfile, server)
-        server.wait_ready(timeout_s=ready_timeout_s, ready=ready)
+    records = ServerRecords(pidfile) if pidfile is not None else None
+    with launched(server, timeout_s=ready_timeout_s, ready=ready, records=records):
         startup = time.monotonic() - t0
         if warmup_requests:
             run_levels(server.url, prompts, [min(warmup_requests, max(concurrencies))], max_new_tokens=max_new_tokens,
@@ -243,35 +239,9 @@ def bench_server(
                             requests_per_level=requests_per_level, timeout_s=timeout_s, tag=name,
                             progress=(lambda lv: progress(name, lv)) if progress else None)
         info = server_info(server.url)
-    finally:
-        server.stop()
     return ServerResult(name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
                         startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
                                                  or k == "internal_states"})
-
-
-def _record(pidfile: Path, server: ServerProcess) -> None:
-    pidfile.parent.mkdir(parents=True, exist_ok=True)
-    with open(pidfile, "a") as f:
-        f.write(json.dumps({"pid": server.pid, "cmd": server.cmd}) + "\n")
-
-
-def end_recorded_servers(pidfile: Path) -> int:
-    """End the process groups recorded in ``pidfile`` that still run the recorded command; returns how many."""
-    if not pidfile.is_file():
-        return 0
-    ended = 0
-    for line in pidfile.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-            cmdline = Path(f"/proc/{int(entry['pid'])}/cmdline").read_bytes().split(b"\0")
-        except (ValueError, KeyError, OSError):
-            continue  # torn line, or the process is gone
-        if [c.decode(errors="replace") for c in cmdline if c][: len(entry["cmd"])] == entry["cmd"]:
-            kill_group(int(entry["pid"]))
-            ended += 1
-    pidfile.unlink(missing_ok=True)
-    return ended
 
 
 def sglang_command(
@@ -285,15 +255,9 @@ def sglang_command(
     Defaults follow the GPU kit's verified flags (triton attention, pytorch sampling); CUDA graphs
     stay on for benchmarks. ``spec.num_draft_tokens`` counts the root (SGLang 4 = vLLM k 3).
     """
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port)]
-    if attention_backend:
-        cmd += ["--attention-backend", attention_backend]
-    if sampling_backend:
-        cmd += ["--sampling-backend", sampling_backend]
-    if not cuda_graph:
-        cmd.append("--disable-cuda-graph")
-    if mem_fraction_static is not None:
-        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port),
+           *sglang_flags(attention_backend=attention_backend, sampling_backend=sampling_backend, cuda_graph=cuda_graph,
+                         mem_fraction_static=mem_fraction_static)]
     if draft is not None:
         cmd += spec.sglang_args(draft)
     return cmd + list(extra)
