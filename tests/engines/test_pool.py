@@ -79,7 +79,7 @@ def test_a_server_answering_with_another_launch_token_is_not_ours(tmp_path):
     server = local_server(SLEEPER, port=port, log_path=tmp_path / "s.log").start()
 
     class Leftover(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):
             body = json.dumps({"launch_token": "an-earlier-launch"}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
