@@ -155,14 +155,14 @@ def offline(
     res = offline_step(cfg)
     typer.echo(json.dumps(res, indent=1))
     if live_check:
-        from eaglenest.drafter.data import open_store
         from eaglenest.engines.runtime import TargetRunner
         from eaglenest.speculative.cpu_bench import live_accept_on_samples
         from eaglenest.speculative.draft import draft_aux_layer_ids
         from eaglenest.speculative.offline import calibrate
         from eaglenest.speculative.serve import load_spec_decoder
+        from eaglenest.store import open_samples
 
-        st = open_store(store)
+        st = open_samples(store)
         by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
         samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
         runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(draft))

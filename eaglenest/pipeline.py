@@ -156,11 +156,11 @@ def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str
 def train_key(config: TrainConfig) -> str:
     """What the drafter is computed from: the config (minus pacing fields), the store's content, the target."""
     from eaglenest import models as model_lib
-    from eaglenest.drafter.data import open_store
     from eaglenest.drafter.train import store_fingerprint
+    from eaglenest.store import open_samples
 
     view = {k: v for k, v in config.drift_view().items() if k not in RESUME_MUTABLE}
-    return digest({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_store(config.store)),
+    return digest({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_samples(config.store)),
                  "target": model_lib.model_fingerprint(model_lib.resolve_model(config.target))["model_hash"]})
 
 

@@ -87,7 +87,8 @@ def drafter_store(tiny_runner):
 
     import torch
 
-    from eaglenest.drafter.fallback_store import MemoryStore, StoreSample
+    from eaglenest.store import StoreSample
+    from eaglenest.testing.fake_store import MemoryStore
 
     rng = random.Random(0)
     tok = tiny_runner.tokenizer

@@ -12,10 +12,10 @@ import torch
 from eaglenest import contract
 from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
-from eaglenest.drafter.fallback_store import open_store
 from eaglenest.drafter.train import train
 from eaglenest.engines.pool import free_port
 from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans
+from eaglenest.store import ExtractionStore
 
 
 def write_extraction(store, root) -> None:
@@ -36,7 +36,7 @@ def write_extraction(store, root) -> None:
 def test_two_gloo_processes_equal_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir, drafter_store):
     extraction = tmp_path / "extraction"
     write_extraction(drafter_store, extraction)
-    store = open_store(extraction)
+    store = ExtractionStore(extraction)
     assert store.sample_ids == sorted(drafter_store.sample_ids) and store[3].loss_mask.any()
     common = dict(store=str(extraction), target=str(tiny_model_dir), draft_vocab_size=200, ttt_steps=3, max_steps=3,
                   max_tokens=256, max_seq_len=128, warmup_steps=1, lr=2e-3, eval_fraction=0.15, eval_max_samples=6,

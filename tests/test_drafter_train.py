@@ -8,8 +8,9 @@ import torch
 from eaglenest.drafter import checkpoint as ckpt_mod
 from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
-from eaglenest.drafter.fallback_store import MemoryStore, StoreSample
 from eaglenest.drafter.train import NonFiniteLoss, ResumeRefused, train
+from eaglenest.store import StoreSample
+from eaglenest.testing.fake_store import MemoryStore
 
 
 class Crash(BaseException):

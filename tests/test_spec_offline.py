@@ -8,7 +8,6 @@ import pytest
 import torch
 from spec_support import one_thread
 
-from eaglenest.drafter.data import held_out
 from eaglenest.speculative.decoder import Eagle3Proposer
 from eaglenest.speculative.draft import load_exported_drafter
 from eaglenest.speculative.offline import (
@@ -21,6 +20,7 @@ from eaglenest.speculative.offline import (
     summarize,
 )
 from eaglenest.speculative.serve import load_spec_decoder
+from eaglenest.store import held_out
 
 
 @pytest.fixture(autouse=True)

@@ -169,10 +169,10 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
     """Offline accept length of the drafter on the store's held-out samples (None without a store)."""
     if not cfg.store_url:
         return None
-    from eaglenest.drafter.data import open_store  # the store API (eaglenest.store once merged)
     from eaglenest.speculative.offline import load_offline_draft, offline_accept_length
+    from eaglenest.store import open_samples
 
-    store = open_store(cfg.store_url)
+    store = open_samples(cfg.store_url)
     draft, head = load_offline_draft(model_path(cfg), cfg.draft)
     prov = getattr(store, "provenance", None)
     res = offline_accept_length(store, draft, head, num_steps=cfg.num_steps, heldout_fraction=cfg.heldout_fraction,

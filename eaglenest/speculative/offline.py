@@ -48,9 +48,9 @@ class StoreLike(Protocol):
 
 
 def heldout_indices(store: StoreLike, fraction: float, max_samples: int | None) -> list[int]:
-    """Store indices of the drafter's evaluation split (:func:`eaglenest.drafter.data.split_indices`:
+    """Store indices of the drafter's evaluation split (:func:`eaglenest.store.split.split_indices`:
     the same ids training held out, capped the same way), so the simulation never scores trained-on data."""
-    from eaglenest.drafter.data import split_indices
+    from eaglenest.store.split import split_indices
 
     ids = getattr(store, "sample_ids", None)
     if ids is None:

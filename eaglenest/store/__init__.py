@@ -30,6 +30,7 @@ files; versions never modify files of other versions (see :mod:`eaglenest.store.
 """
 
 from eaglenest.store.converter import DEFAULT_TARGET_FILE_BYTES, ConvertSummary, convert
+from eaglenest.store.extraction import ExtractionStore, open_samples
 from eaglenest.store.layout import (
     STORE_SCHEMA_VERSION,
     ConvertInputError,
@@ -39,13 +40,15 @@ from eaglenest.store.layout import (
     StoreNotFound,
 )
 from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
-from eaglenest.store.sampler import LengthBucketSampler, StoreDataset, split_indices
+from eaglenest.store.sampler import LengthBucketSampler, StoreDataset
+from eaglenest.store.split import held_out, split_indices
 
 __all__ = [
     "DEFAULT_TARGET_FILE_BYTES",
     "STORE_SCHEMA_VERSION",
     "ConvertInputError",
     "ConvertSummary",
+    "ExtractionStore",
     "LengthBucketSampler",
     "Store",
     "StoreCorrupt",
@@ -55,7 +58,9 @@ __all__ = [
     "StoreNotFound",
     "StoreSample",
     "convert",
+    "held_out",
     "list_versions",
+    "open_samples",
     "open_store",
     "split_indices",
 ]

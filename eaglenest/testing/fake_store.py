@@ -1,7 +1,9 @@
-"""Fake extraction folders for tests and benchmarks: real shards and a real ledger, random hidden states.
+"""Fake extraction folders and stores for tests and benchmarks.
 
 Owns nothing of the pipeline; builds what the extraction stage would leave behind
-(``<dir>/capture/*.safetensors`` + ``<dir>/ledger.jsonl``) without a server, via the contract's own writer.
+(``<dir>/capture/*.safetensors`` + ``<dir>/ledger.jsonl``: real shards and a real ledger, random hidden
+states) without a server, via the contract's own writer; :class:`MemoryStore` holds samples in memory
+behind the store reader's interface.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eaglenest.contract import Provenance, Shard, write_shard
 from eaglenest.ledger import Ledger, LedgerEntry
+from eaglenest.store.reader import StoreSample
 
 
 def fake_provenance(*, hidden_size: int = 16, aux_layer_ids: Sequence[int] = (1, 3, 4), num_layers: int = 8,
@@ -61,3 +65,20 @@ def make_extraction(extraction_dir: str | Path, lengths: Sequence[int], *, prove
     prov = provenance or fake_provenance()
     shards = [fake_shard(f"{prefix}{i}", t, prov, seed=seed * 100_003 + i) for i, t in enumerate(lengths)]
     return add_samples(extraction_dir, shards, seed=seed)
+
+
+class MemoryStore:
+    """Samples held in memory with the store reader's interface (tests build it from real captures)."""
+
+    def __init__(self, samples: Sequence[StoreSample], provenance: Provenance) -> None:
+        self._samples = list(samples)
+        self.provenance = provenance
+        self.sample_ids = [s.sample_id for s in self._samples]
+        self.num_tokens = np.array([int(s.input_ids.numel()) for s in self._samples], dtype=np.int64)
+        self.loss_tokens = np.array([int(s.loss_mask.sum()) for s in self._samples], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getitem__(self, i: int) -> StoreSample:
+        return self._samples[i]
