@@ -27,9 +27,21 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from eaglenest import pipeline as lib
 from eaglenest.extract_config import ExtractParams
 from eaglenest.packaged_data import sha256_file
+from eaglenest.pipeline import (
+    PipelineParams,
+    PipelinePlan,
+    Stage,
+    StageBook,
+    bench_key,
+    digest,
+    extraction_key,
+    fresh_run_tag,
+    latest_checkpoint_sha,
+    ledger_key,
+    train_key,
+)
 from flows.bench import bench
 from flows.extract import extract
 from tasks.store import convert_or_cached
@@ -46,10 +58,10 @@ def _run_tag() -> str | None:
         return None
     with get_client(sync_client=True) as client:
         created = client.read_flow_run(rid).created
-    return lib.fresh_run_tag(str(rid), created)
+    return fresh_run_tag(str(rid), created)
 
 
-def _staged(book: lib.StageBook, stage: lib.Stage, key: str, log, why_skip: str, compute) -> dict:
+def _staged(book: StageBook, stage: Stage, key: str, log, why_skip: str, compute) -> dict:
     """The stage's recorded output when it was computed for ``key`` and still validates; else compute it,
     record it under ``key`` and return it. ``skipped`` says which."""
     if (rec := book.done(stage, key)) is not None:
@@ -60,16 +72,16 @@ def _staged(book: lib.StageBook, stage: lib.Stage, key: str, log, why_skip: str,
     return {**out, "skipped": False}
 
 
-def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+def _extract_stage(plan: PipelinePlan, book: StageBook, log) -> dict:
     def compute() -> dict:
         rep = extract(plan.extract)
         return {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
 
-    return _staged(book, "extract", lib.extraction_key(plan), log,
+    return _staged(book, "extract", extraction_key(plan), log,
                    f"extraction {plan.extract.resolved_extraction_id()} is complete", compute)
 
 
-def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log) -> dict:
+def _convert_stage(plan: PipelinePlan, extraction_dirs: list[str], book: StageBook, log) -> dict:
     def compute() -> dict:
         summary: dict = {}
         for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
@@ -77,24 +89,24 @@ def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib
         return {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
                 "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
 
-    key = lib.digest([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
+    key = digest([ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
     return _staged(book, "convert", key, log, f"store {plan.store_url} holds the same samples", compute)
 
 
-def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+def _train_stage(plan: PipelinePlan, book: StageBook, log) -> dict:
     def compute() -> dict:
         result = train_or_cached(plan.train)
         png = training_report(plan.train.out_dir, result)
         return {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
                 "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
                 "accept_length": (result.get("eval") or {}).get("accept_length"), "loss_curve": png,
-                "checkpoint_sha256": lib.latest_checkpoint_sha(plan.train.out_dir)}
+                "checkpoint_sha256": latest_checkpoint_sha(plan.train.out_dir)}
 
-    return _staged(book, "train", lib.train_key(plan.train), log,
+    return _staged(book, "train", train_key(plan.train), log,
                    f"{plan.train.out_dir} already trained on this store", compute)
 
 
-def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+def _export_stage(plan: PipelinePlan, book: StageBook, log) -> dict:
     def compute() -> dict:
         files = {}
         for fmt, d in plan.export_dirs.items():
@@ -102,22 +114,22 @@ def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
             files[folder] = sha256_file(Path(folder) / "model.safetensors")
         return {"dirs": plan.export_dirs, "files": files}
 
-    key = lib.digest({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
+    key = digest({"ckpt": latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
                       "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
     return _staged(book, "export", key, log, f"{', '.join(plan.export_dirs.values())} up to date", compute)
 
 
-def _bench_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
+def _bench_stage(plan: PipelinePlan, book: StageBook, log) -> dict:
     def compute() -> dict:
         res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
         return {"output_dir": plan.bench.output_dir, "speedups": res["speedups"],
                 "accept_length": res["accept_length"], "gate": res["gate"]}
 
-    return _staged(book, "bench", lib.bench_key(plan.bench), log,
+    return _staged(book, "bench", bench_key(plan.bench), log,
                    f"report for this drafter and config in {plan.bench.output_dir}", compute)
 
 
-def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log,
+def _after_extraction(plan: PipelinePlan, extraction_dirs: list[str], book: StageBook, log,
                       summary: dict) -> dict:
     steps = [("convert", lambda: _convert_stage(plan, extraction_dirs, book, log)),
              ("train", lambda: _train_stage(plan, book, log)),
@@ -134,12 +146,12 @@ def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: 
 
 
 @flow(name="pipeline", validate_parameters=True, log_prints=True)
-def pipeline(params: lib.PipelineParams = lib.PipelineParams()) -> dict:
+def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """extract -> convert -> train -> export -> bench; stages already done for the same inputs are skipped."""
     log = get_run_logger()
     plan = params.plan(_run_tag() if params.fresh_extraction_id else None)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    book = lib.StageBook(plan.run_dir)
+    book = StageBook(plan.run_dir)
     t0 = time.perf_counter()
     summary: dict = {"run_dir": str(plan.run_dir), "extraction_id": plan.extract.resolved_extraction_id()}
     summary["extract"] = _extract_stage(plan, book, log)
@@ -150,7 +162,7 @@ def pipeline(params: lib.PipelineParams = lib.PipelineParams()) -> dict:
 class FanoutParams(BaseModel):
     """The pipeline with its extraction split over several nodes (each runs the ``extract`` deployment)."""
 
-    pipeline: lib.PipelineParams = Field(default_factory=lib.PipelineParams, description=(
+    pipeline: PipelineParams = Field(default_factory=PipelineParams, description=(
         "The pipeline; extract.output_dir must be a folder every node and this flow can read (shared mount)."))
     nodes: int = Field(2, ge=1, le=256, description="Parts of the extraction, one extract run per part.")
     extract_deployment: str = Field("extract/gpu-process", description=(
@@ -166,7 +178,7 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
     log = get_run_logger()
     plan = params.pipeline.plan(_run_tag() if params.pipeline.fresh_extraction_id else None)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    book = lib.StageBook(plan.run_dir)
+    book = StageBook(plan.run_dir)
     base = plan.extract.resolved_extraction_id()
     parts = [ExtractParams.model_validate({**plan.extract.model_dump(), "partition_index": i,
                                            "partition_count": params.nodes,
@@ -194,9 +206,9 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 
 
 # ------------------------------------------------------------------------------ make demo
-def demo_params(out: str = "runs/demo", prompts: int = 128) -> lib.PipelineParams:
+def demo_params(out: str = "runs/demo", prompts: int = 128) -> PipelineParams:
     """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores."""
-    return lib.PipelineParams.model_validate({
+    return PipelineParams.model_validate({
         "run_dir": out,
         "extract": {"source": "sharegpt", "limit": prompts, "max_turns": 1, "max_tokens": 384, "batch_size": 16,
                     "concurrency": 4, "embedded_max_batch_size": 4, "extraction_id": f"demo-{prompts}"},
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.params:
         text = Path(a.params).read_text() if Path(a.params).is_file() else a.params
-        params = lib.PipelineParams.model_validate_json(text)
+        params = PipelineParams.model_validate_json(text)
     elif a.demo:
         params = demo_params(a.out, a.prompts)
     else:
