@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from eaglenest.engines import pool
 from eaglenest.engines import sglang_launcher as sl
 from eaglenest.engines.pool import LaunchError
 from eaglenest.engines.sglang_capture import CaptureConfig
@@ -134,7 +135,7 @@ def test_serve_refuses_before_starting_anything_without_a_supported_sglang(model
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     started = []
-    monkeypatch.setattr(sl.ServerProcess, "start", lambda self: started.append(self))
+    monkeypatch.setattr(pool.ServerProcess, "start", lambda self: started.append(self))
     with pytest.raises(sl.SGLangCompatError, match="sglang is not installed"):
         sl.serve_foreground(model_dir=model_dir, capture_dir=tmp_path / "cap", host="127.0.0.1", port=30000,
                             aux_layer_ids=None, sglang_args=[])
