@@ -27,6 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from eaglenest.cli import errors
 from eaglenest.extract_config import ExtractParams
 from eaglenest.packaged_data import sha256_file
 from eaglenest.pipeline import (
@@ -238,22 +239,36 @@ def _headline(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _params(a: argparse.Namespace) -> PipelineParams:
+    """``--params``: inline JSON, or a JSON file; neither given (and no --demo) is a usage error too."""
+    if not a.params:
+        raise errors.UsageError("give --demo or --params FILE")
+    text = a.params.strip()
+    if not text.startswith("{"):
+        path = Path(a.params)
+        if not path.is_file():
+            raise errors.UsageError(f"--params {a.params}: no such file (give a PipelineParams JSON file, or the "
+                                    "JSON itself)")
+        text = path.read_text()
+    return PipelineParams.model_validate_json(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", action="store_true", help="the embedded default at demo size (make demo)")
     ap.add_argument("--out", default="runs/demo", help="run folder for --demo")
     ap.add_argument("--prompts", type=int, default=128, help="ShareGPT prompts for --demo")
     ap.add_argument("--params", help="PipelineParams as JSON (a file path or the JSON itself)")
+    ap.add_argument("--debug", action="store_true", help="print the traceback of any error")
     a = ap.parse_args(argv)
-    if a.params:
-        text = Path(a.params).read_text() if Path(a.params).is_file() else a.params
-        params = PipelineParams.model_validate_json(text)
-    elif a.demo:
-        params = demo_params(a.out, a.prompts)
-    else:
-        ap.error("give --demo or --params")
-    t0 = time.perf_counter()
-    summary = pipeline(params)
+    try:
+        t0 = time.perf_counter()
+        summary = pipeline(_params(a) if a.params or not a.demo else demo_params(a.out, a.prompts))
+    except Exception as e:
+        code = errors.report(e, debug=a.debug or errors.debug_requested([]), prog="flows.pipeline")
+        if code is None:
+            raise
+        return code
     print("\n== eaglenest pipeline done in %.0f s" % (time.perf_counter() - t0))
     print(_headline(summary))
     return 0

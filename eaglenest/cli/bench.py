@@ -15,14 +15,18 @@ from typing import Annotated
 
 import typer
 
+from eaglenest.cli.options import model_command
+from eaglenest.speculative.bench import BenchConfig
+
 app = typer.Typer(no_args_is_help=True, help="Speculative-decoding benchmarks (EAGLE-3 vs plain decoding).")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+BENCH_FLAGS = {
+    "num_steps": "--steps", "num_draft_tokens": "--draft-tokens", "concurrencies": "--concurrency",
+    "output_dir": "--out", "store_url": "--store", "sglang_args": "--sglang-arg",
+    "offline_max_samples": "--max-samples",
+}
+"""Option names that differ from BenchConfig's field names (the benchmark's own vocabulary)."""
 
 
 @app.command()
@@ -65,35 +69,13 @@ def serve(
 
 
 @app.command()
-def live(
-    draft: Annotated[str, typer.Option(help="exported EAGLE-3 drafter folder")],
-    engine: Annotated[str, typer.Option(help="embedded | sglang")] = "embedded",
-    model: Annotated[str, typer.Option(help="target model")] = "default",
-    concurrency: Annotated[str, typer.Option(help="levels, e.g. 1,4,16,64")] = "1,4,16,64",
-    steps: Annotated[int, typer.Option(help="--speculative-num-steps")] = 3,
-    topk: Annotated[int, typer.Option(help="--speculative-eagle-topk")] = 1,
-    draft_tokens: Annotated[int | None, typer.Option(help="--speculative-num-draft-tokens (root counted)")] = None,
-    prompt_set: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt")] = "mt-bench",
-    prompt_file: Annotated[str | None, typer.Option(help="token JSONL from `bench prompts`")] = None,
-    num_prompts: Annotated[int, typer.Option(help="first N prompts")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(help="output tokens per request")] = 128,
-    target_concurrency: Annotated[int, typer.Option(help="concurrency the gate judges")] = 1,
-    min_speedup: Annotated[float, typer.Option(help="gate threshold (EAGLE3 / baseline tok/s)")] = 1.0,
-    out: Annotated[Path, typer.Option(help="output folder")] = Path("runs/bench"),
-    store: Annotated[str | None, typer.Option(help="store URL for the offline accept length")] = None,
-    port: Annotated[int | None, typer.Option(help="server port")] = None,
-    no_cuda_graph: Annotated[bool, typer.Option(help="sglang: disable CUDA graphs")] = False,
-    sglang_arg: Annotated[list[str] | None, typer.Option(help="extra sglang argument (repeatable)")] = None,
-) -> None:
+@model_command(BenchConfig, names=BENCH_FLAGS)
+def live(params: BenchConfig) -> None:
     """Baseline vs EAGLE3 at each concurrency; report + plots; exit 1 when the gate fails."""
     from eaglenest.speculative import bench as B
     from eaglenest.speculative.report import gate, write_report
 
-    cfg = B.BenchConfig(engine=engine, model=model, draft=draft, num_steps=steps, topk=topk,
-                        num_draft_tokens=draft_tokens, prompt_set=prompt_set, prompt_file=prompt_file,
-                        num_prompts=num_prompts, max_new_tokens=max_new_tokens, concurrencies=_ints(concurrency),
-                        target_concurrency=target_concurrency, min_speedup=min_speedup, output_dir=str(out),
-                        store_url=store, port=port, cuda_graph=not no_cuda_graph, sglang_args=sglang_arg or [])
+    cfg, out = params, Path(params.output_dir)
     prompts = B.prepare_prompts(cfg)
     offline = B.offline_step(cfg)
 
@@ -106,7 +88,7 @@ def live(
     paths = write_report(report, out)
     typer.echo((out / "report.md").read_text())
     typer.echo(f"files: {', '.join(str(p) for p in paths.values())}")
-    g = gate(report, target_concurrency=target_concurrency, min_speedup=min_speedup)
+    g = gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
     typer.echo(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message)
     if not g.passed:
         raise typer.Exit(1)
@@ -137,21 +119,19 @@ def cpu(
 
 
 @app.command()
+@model_command(BenchConfig, names=BENCH_FLAGS,
+               only=frozenset({"model", "draft", "num_steps", "store_url", "heldout_fraction", "offline_max_samples"}))
 def offline(
-    store: Annotated[str, typer.Option(help="store URL")],
-    draft: Annotated[str, typer.Option(help="exported EAGLE-3 drafter")],
-    model: Annotated[str, typer.Option(help="target model (embedding + LM head)")] = "default",
-    steps: Annotated[int, typer.Option(help="draft steps per chain")] = 3,
-    heldout_fraction: Annotated[float, typer.Option(help="the drafter's eval_fraction")] = 0.05,
-    max_samples: Annotated[int, typer.Option(help="the drafter's eval_max_samples")] = 200,
+    params: BenchConfig,
     live_check: Annotated[int, typer.Option(help="also decode this many held-out prompts live (calibration)")] = 0,
     live_tokens: Annotated[int, typer.Option(help="new tokens per live-checked prompt")] = 64,
 ) -> None:
     """Teacher-forced accept length of a drafter on a store's held-out samples (+ live calibration)."""
-    from eaglenest.speculative.bench import BenchConfig, model_path, offline_step
+    from eaglenest.speculative.bench import model_path, offline_step
 
-    cfg = BenchConfig(model=model, draft=draft, num_steps=steps, store_url=store, heldout_fraction=heldout_fraction,
-                      offline_max_samples=max_samples)
+    cfg = params
+    if cfg.store_url is None:
+        raise typer.BadParameter("give the store to read held-out samples from", param_hint="--store")
     res = offline_step(cfg)
     typer.echo(json.dumps(res, indent=1))
     if live_check:
@@ -162,11 +142,11 @@ def offline(
         from eaglenest.speculative.serve import load_spec_decoder
         from eaglenest.store import open_samples
 
-        st = open_samples(store)
+        st = open_samples(cfg.store_url)
         by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
         samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
-        runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(draft))
-        live = live_accept_on_samples(load_spec_decoder(runner, draft, num_steps=steps), samples,
+        runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(cfg.draft))
+        live = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, num_steps=cfg.num_steps), samples,
                                       max_new_tokens=live_tokens)
         typer.echo(f"live on {len(samples)} held-out prompts: accept length {live.accept_length:.3f} "
                    f"({live.cycles} verify cycles, per-position {[round(x, 3) for x in live.acceptance_at]})")

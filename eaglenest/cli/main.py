@@ -1,19 +1,25 @@
-"""Command line: ``eaglenest serve | model ...``. Thin: parses arguments, calls the library."""
+"""Command line: ``eaglenest serve | model | demo`` and the sub-apps. Thin: parses arguments, calls the library.
+
+:func:`main` is the entry point: expected user mistakes end in one line and exit code 2
+(:mod:`eaglenest.cli.errors`); ``--debug`` anywhere on the command line keeps the traceback.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from eaglenest.cli_bench import app as bench_app
-from eaglenest.cli_extract import app as extract_app
-from eaglenest.cli_extract import parse_ids
-from eaglenest.cli_store import app as store_app
-from eaglenest.cli_train import app as train_app
+from eaglenest.cli import errors
+from eaglenest.cli.bench import app as bench_app
+from eaglenest.cli.extract import app as extract_app
+from eaglenest.cli.options import parse_ids
+from eaglenest.cli.store import app as store_app
+from eaglenest.cli.train import app as train_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
@@ -22,6 +28,14 @@ app.add_typer(extract_app, name="extract")
 app.add_typer(store_app, name="store")
 app.add_typer(train_app)  # eaglenest train | export
 app.add_typer(bench_app, name="bench")  # eaglenest bench live | cpu | offline | prompts | plot | serve
+
+
+@app.callback()
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="print the traceback of any error (also after a command)")]
+    = False,
+) -> None:
+    """EAGLE-3 drafters from engine-native hidden states."""
 
 
 class Engine(StrEnum):
@@ -122,5 +136,16 @@ def model_tiny(out: Path, layers: int = 8, hidden: int = 64, vocab: int = 512, s
     typer.echo(str(build_tiny_llama(out, layers=layers, hidden=hidden, vocab=vocab, seed=seed)))
 
 
-if __name__ == "__main__":
-    app()
+def main(argv: list[str] | None = None) -> int:
+    """``eaglenest ...``: run the app; a user error is one line and exit code 2 (a traceback with --debug)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = errors.debug_requested(args)
+    args = [a for a in args if a != "--debug"]
+    try:
+        app(args=args, prog_name="eaglenest")  # usage errors: click prints them and exits 2 itself
+    except Exception as e:
+        code = errors.report(e, debug=debug, prog="eaglenest")
+        if code is None:
+            raise
+        return code
+    return 0
