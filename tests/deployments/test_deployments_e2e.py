@@ -27,7 +27,7 @@ import yaml
 from eaglenest.engines.pool import ServerRecords
 from tests.extract_helpers import ledger_ids
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 PROCESS_POOL = "gpu-process"
 FAULTS = "fail_every=3"  # request n % 3 == 0 is answered 503 while the gate file exists

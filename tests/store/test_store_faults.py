@@ -23,7 +23,7 @@ from eaglenest.store import layout as L
 from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
 LENGTHS = [30] * 12
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_child(code: str, *args: str, wait: bool = True):

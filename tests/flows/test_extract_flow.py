@@ -16,7 +16,7 @@ from eaglenest.extract_config import ExtractParams
 from eaglenest.ledger import Ledger
 from tests.extract_helpers import assert_complete_and_exact
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_artifacts(key):
