@@ -46,7 +46,7 @@ def prefect_api():
         yield
 
 
-# ---------------------------------------------------------------- extraction (issue 3)
+# ---------------------------------------------------------------- extraction
 @pytest.fixture
 def capture_servers(tiny_runner):
     """Factory: ``start(capture_dir, n=1)`` -> [(url, engine)] of in-thread embedded servers sharing the

@@ -22,7 +22,7 @@ Why this Arrow layout (one record batch per sample, one row per token):
   its (offset, length), so a local read is a slice of a memory map (O(1), zero copies) and a remote read
   is ONE range request of exactly that sample's bytes, decoded with ``pyarrow.ipc.read_message``. The file
   keeps Arrow's footer, so any Arrow tool can open a data file on its own.
-- Uncompressed (FACTS: zstd IPC reads at ~500 MB/s; mapped uncompressed reads are memory speed).
+- Uncompressed: zstd IPC reads at ~500 MB/s, mapped uncompressed reads at memory speed.
 - Files of ``target_file_bytes`` bound object sizes for object stores and keep the number of files small.
 
 Samples with one ledger's content always land in the same file keys, so re-runs and appends reuse

@@ -1,4 +1,4 @@
-"""Chat-template tokenization: assistant-only loss spans by prefix rendering, length skipping (row 13)."""
+"""Chat-template tokenization: assistant-only loss spans by prefix rendering, prompts longer than the context skipped before sending."""
 
 import shutil
 

@@ -1,4 +1,4 @@
-"""Prompt sources: formats, the cut-off ShareGPT bundle, bad records counted by id (RELIABILITY row 14)."""
+"""Prompt sources: formats, the cut-off ShareGPT bundle, bad records counted by id while the rest continues."""
 
 import gzip
 import json

@@ -1,8 +1,9 @@
 """The repository's deployments end to end: a real `prefect server start`, the pool script, `prefect deploy`
-of deployments/prefect.yaml, a process worker, and runs started through the API (issue 8; rows 24, 26).
+of deployments/prefect.yaml, a process worker, and runs started through the API: a re-run does no work,
+a killed flow run ends Crashed and its re-run is idempotent.
 
 One module-scoped stack (server ~10 s, deploy ~10 s, worker ~2 s); default tests ~90 s in all, the pipeline
-test (a + c of issue 8) is marked slow (~85 s more). It does NOT use the session
+test is marked slow (~85 s more). It does NOT use the session
 ``prefect_api`` fixture: its own server's URL is set for this module through ``temporary_settings`` (client
 calls here) and the subprocesses' environment. Faults are planted with a gate file
 (``EAGLENEST_FAULTS=...,gate=PATH`` in the worker's environment, inherited by the servers the flows launch),
@@ -297,8 +298,8 @@ def _group_gone(pid: int, within_s: float = 30) -> bool:
 
 @pytest.mark.slow  # ~85 s more on 2 busy cores: the whole pipeline (extract, convert, train, export, bench) twice
 def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artifacts(stack, tiny_model_dir, tmp_path):
-    """c (row 26): the pipeline's flow process gets SIGTERM once the extraction has ledgered some samples -> the
-    run is Crashed (read through the API) and the servers it launched are gone (row 25); then a run_deployment
+    """The pipeline's flow process gets SIGTERM once the extraction has ledgered some samples -> the
+    run is Crashed (read through the API) and the servers it launched are gone (no orphans); then a run_deployment
     of the same parameters completes every stage, resuming the extraction (no ledgered sample is requested
     again), and publishes its artifacts: extraction progress at 100 %, tables, PNG plots."""
     params = _pipeline_params(tiny_model_dir, tmp_path / "run")

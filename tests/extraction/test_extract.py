@@ -1,4 +1,5 @@
-"""Extraction end to end on in-thread embedded servers: real ShareGPT text, tiny model (rows 7, 13, 24)."""
+"""Extraction end to end on in-thread embedded servers: real ShareGPT text, tiny model. Incomplete output is
+invisible, over-long prompts are skipped before sending, and a re-run of a finished extraction does no engine work."""
 
 import json
 from collections import Counter
@@ -29,7 +30,7 @@ def test_two_servers_split_one_run_then_rerun_sends_nothing(tiny_extract_params,
     assert 0 < entry["loss_tokens"] < entry["num_tokens"] and entry["loss_spans"][0][0] > 0
     before = [e.stats["requests"] for _, e in servers]
     again = run_extraction(params)
-    assert [e.stats["requests"] for _, e in servers] == before  # zero engine work (row 24)
+    assert [e.stats["requests"] for _, e in servers] == before  # a finished extraction re-run does zero engine work
     assert again["run"]["requests"] == 0 and again["done"] == report["done"]
 
 

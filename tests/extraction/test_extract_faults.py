@@ -1,4 +1,5 @@
-"""Injected faults during extraction; each asserts nothing accepted is lost (RELIABILITY rows 1, 8-12, 15)."""
+"""Injected faults during extraction (a killed writer, a server that never gets healthy, dies, hangs or answers
+503, a wrong capture, NaN hidden states); each asserts nothing accepted is lost."""
 
 import json
 import os
@@ -89,7 +90,7 @@ class ThreadServer:
 
 
 def test_server_going_away_mid_run_is_relaunched_and_nothing_is_lost(tiny_extract_params, tiny_runner):
-    """Row 9 on in-thread servers (the subprocess + os._exit version is marked slow below)."""
+    """A server dying mid-batch, on in-thread servers (the subprocess + os._exit version is marked slow below)."""
     params = with_(tiny_extract_params, batch_size=32, concurrency=4)
     ext = open_extraction(params)
     launched = []

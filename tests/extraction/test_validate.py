@@ -1,4 +1,5 @@
-"""Shard validation: every check of the issue, quarantine with reason, bounded wait (rows 12, 15)."""
+"""Shard validation: every check, quarantine with the reason, bounded wait; a wrong or short capture is a
+terminal error and NaN/Inf hidden states are never accepted."""
 
 import json
 

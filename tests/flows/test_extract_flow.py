@@ -1,4 +1,5 @@
-"""The Prefect ``extract`` flow against the session's real temporary Prefect API (rows 24, 25)."""
+"""The Prefect ``extract`` flow against the session's real temporary Prefect API: a re-run does no engine work,
+and a killed flow leaves no server process behind."""
 
 import json
 import os
@@ -49,7 +50,7 @@ def test_flow_extracts_sharegpt_on_two_servers_then_reruns_with_zero_requests(pr
     assert progress.data == pytest.approx(100.0)
     before = [e.stats["requests"] for _, e in servers]
     again = extract(params)
-    assert [e.stats["requests"] for _, e in servers] == before  # the re-run sends zero requests (row 24)
+    assert [e.stats["requests"] for _, e in servers] == before  # the re-run sends zero requests
     assert again["run"]["requests"] == 0 and again["run"]["servers_launched"] == 0 and again["done"] == report["done"]
     # the store is the flow's last step: every validated sample, verified; the re-run converts nothing
     from eaglenest.store import open_store
@@ -114,7 +115,7 @@ def _flow_state(extraction_id):
 
 
 def test_flow_sigterm_while_launching_ends_the_server_group(prefect_api, tiny_model_dir, tmp_path):
-    """Row 25: SIGTERM to the flow process while its embedded server subprocess starts."""
+    """SIGTERM to the flow process while its embedded server subprocess starts: no orphaned server."""
     params = ExtractParams(model=str(tiny_model_dir), limit=20, max_turns=1, max_tokens=384, num_servers=1,
                            dtype="float32", output_dir=str(tmp_path / "out"), extraction_id="sig-launch")
     pid = _sigterm_flow_when(params, _recorded_pid, {})
@@ -124,7 +125,7 @@ def test_flow_sigterm_while_launching_ends_the_server_group(prefect_api, tiny_mo
 
 @pytest.mark.slow
 def test_flow_sigterm_mid_prefill_ends_the_server_group(prefect_api, tiny_model_dir, tmp_path):
-    """Row 25 mid-prefill: the server is serving (half of the requests hang) when the flow gets SIGTERM."""
+    """No orphaned server after SIGTERM mid-prefill: the server is serving (half of the requests hang) when the flow gets SIGTERM."""
     params = ExtractParams(model=str(tiny_model_dir), limit=40, max_turns=1, max_tokens=384, num_servers=1,
                            dtype="float32", output_dir=str(tmp_path / "out"), extraction_id="sig-prefill",
                            request_timeout_s=120, launch_timeout_s=120)

@@ -1,5 +1,5 @@
 """The pipeline flow: one parameter model, every stage derived from it, stages skipped only when their output
-for the same inputs exists and validates (RELIABILITY row 24), and extraction partitions for the fan-out."""
+for the same inputs exists and validates (a re-run does no work), and extraction partitions for the fan-out."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_pipeline_runs_every_stage_then_skips_them_all(prefect_api, tiny_model_d
     assert (run / "bench" / "report.json").is_file() and first["bench"]["speedups"]
     assert json.loads((run / "pipeline.json").read_text())["train"]["step"] == 6
 
-    again = pipeline(params)  # row 24: every stage skipped, nothing recomputed
+    again = pipeline(params)  # a re-run: every stage skipped, nothing recomputed
     assert [again[s]["skipped"] for s in ("extract", "convert", "train", "export", "bench")] == [True] * 5
 
     # a changed training setting re-trains (and re-exports, re-benches); extraction and store are kept

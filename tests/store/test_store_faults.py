@@ -1,4 +1,5 @@
-"""Injected failures (shared/RELIABILITY.md rows 2, 3, 4, 5, 6, 7, 22, 23) against the store."""
+"""Injected failures against the store: a crash before the manifest, a full disk, flipped bytes, truncated or
+garbage files, a failed upload, stale temporaries, mixed schema versions and two converters at once."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def store_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-def test_crash_before_manifest_leaves_no_store_and_rerun_reuses_files(tmp_path):  # row 2
+def test_crash_before_manifest_leaves_no_store_and_rerun_reuses_files(tmp_path):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = str(tmp_path / "store")
     r = run_child("""
@@ -57,7 +58,7 @@ def test_crash_before_manifest_leaves_no_store_and_rerun_reuses_files(tmp_path):
     assert open_store(url, verify=True).manifest["num_samples"] == len(LENGTHS)
 
 
-def test_disk_full_in_child_is_clear_leaves_nothing_and_rerun_completes(tmp_path):  # row 3 (EFBIG)
+def test_disk_full_in_child_is_clear_leaves_nothing_and_rerun_completes(tmp_path):  # EFBIG
     make_extraction(tmp_path / "ex", LENGTHS)
     url = str(tmp_path / "store")
     r = run_child("""
@@ -81,7 +82,7 @@ def test_disk_full_in_child_is_clear_leaves_nothing_and_rerun_completes(tmp_path
     assert open_store(url).verify() == []
 
 
-def test_enospc_on_rename_removes_temporary(tmp_path, monkeypatch):  # row 3 (ENOSPC)
+def test_enospc_on_rename_removes_temporary(tmp_path, monkeypatch):  # ENOSPC
     make_extraction(tmp_path / "ex", LENGTHS)
 
     def full(src, dst):
@@ -94,7 +95,7 @@ def test_enospc_on_rename_removes_temporary(tmp_path, monkeypatch):  # row 3 (EN
     assert store_files(tmp_path / "store") == []
 
 
-def test_flipped_byte_is_named_by_verify_then_quarantined_and_rebuilt(tmp_path):  # row 4
+def test_flipped_byte_is_named_by_verify_then_quarantined_and_rebuilt(tmp_path):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = str(tmp_path / "store")
     convert(tmp_path / "ex", url, target_file_bytes=15_000)
@@ -114,7 +115,7 @@ def test_flipped_byte_is_named_by_verify_then_quarantined_and_rebuilt(tmp_path):
     assert len(reasons) == 1 and "sha256" in json.loads(reasons[0].read_text())["reason"]
 
 
-def test_truncated_or_garbage_files_give_typed_errors(tmp_path):  # row 5
+def test_truncated_or_garbage_files_give_typed_errors(tmp_path):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = str(tmp_path / "store")
     convert(tmp_path / "ex", url, target_file_bytes=15_000)
@@ -144,7 +145,7 @@ def test_truncated_or_garbage_files_give_typed_errors(tmp_path):  # row 5
         open_store(url)
 
 
-def test_exception_mid_upload_publishes_no_object(tmp_path, monkeypatch):  # row 6
+def test_exception_mid_upload_publishes_no_object(tmp_path, monkeypatch):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = f"memory://st-{uuid.uuid4().hex}"
     real = L.HashingWriter.write
@@ -172,7 +173,7 @@ def test_exception_mid_upload_publishes_no_object(tmp_path, monkeypatch):  # row
     assert open_store(url).verify() == []
 
 
-def test_stale_temporaries_are_invisible_and_cleaned(tmp_path):  # row 7
+def test_stale_temporaries_are_invisible_and_cleaned(tmp_path):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = str(tmp_path / "store")
     data = tmp_path / "store" / L.DATA_DIR
@@ -187,7 +188,7 @@ def test_stale_temporaries_are_invisible_and_cleaned(tmp_path):  # row 7
     assert open_store(url).verify() == []
 
 
-def test_mixed_schema_versions_and_provenance_are_refused(tmp_path):  # row 22
+def test_mixed_schema_versions_and_provenance_are_refused(tmp_path):
     prov = fake_provenance()
     make_extraction(tmp_path / "ex", [10, 10])
     shard = fake_shard("v2", 10, prov)
@@ -231,7 +232,7 @@ CONCURRENT = """
 
 
 @pytest.mark.parametrize("same_input", [True, False])
-def test_two_converters_at_once_leave_intact_versions(tmp_path, same_input):  # row 23
+def test_two_converters_at_once_leave_intact_versions(tmp_path, same_input):
     make_extraction(tmp_path / "ex1", [60] * 16)
     make_extraction(tmp_path / "ex2", [60] * 16, prefix="b", seed=5)
     url = str(tmp_path / "store")
