@@ -1,4 +1,5 @@
-"""Chat-template tokenization: assistant-only loss spans by prefix rendering, prompts longer than the context skipped before sending."""
+"""Chat-template tokenization: assistant-only loss spans by prefix rendering; prompts longer than the context
+are skipped before sending."""
 
 import shutil
 

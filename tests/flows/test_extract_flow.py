@@ -125,7 +125,8 @@ def test_flow_sigterm_while_launching_ends_the_server_group(prefect_api, tiny_mo
 
 @pytest.mark.slow
 def test_flow_sigterm_mid_prefill_ends_the_server_group(prefect_api, tiny_model_dir, tmp_path):
-    """No orphaned server after SIGTERM mid-prefill: the server is serving (half of the requests hang) when the flow gets SIGTERM."""
+    """No orphaned server after SIGTERM mid-prefill: the server is serving (half of the requests hang) when the
+    flow gets SIGTERM."""
     params = ExtractParams(model=str(tiny_model_dir), limit=40, max_turns=1, max_tokens=384, num_servers=1,
                            dtype="float32", output_dir=str(tmp_path / "out"), extraction_id="sig-prefill",
                            request_timeout_s=120, launch_timeout_s=120)

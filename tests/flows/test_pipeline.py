@@ -126,7 +126,8 @@ def test_pipeline_runs_every_stage_then_skips_them_all(prefect_api, tiny_model_d
 def test_fanout_partitions_the_extraction_and_merges_the_parts_into_one_store(prefect_api, tiny_model_dir, tmp_path,
                                                                               monkeypatch):
     """pipeline-fanout with run_deployment replaced by a local run of the extract flow (the live deployment path
-    is covered by tests/deployments/test_deployments_e2e.py): N disjoint parts, one store version holding all of them."""
+    is covered by tests/deployments/test_deployments_e2e.py): N disjoint parts, one store version holding all of
+    them."""
     import threading
     from types import SimpleNamespace
     from uuid import uuid4
