@@ -10,7 +10,7 @@ import pytest
 
 from eaglenest.extract import open_extraction, prepare
 from eaglenest.extract_config import ExtractParams
-from eaglenest.pipeline import PipelineParams, StageBook
+from eaglenest.pipeline import BenchOutput, PipelineParams, StageBook
 
 
 def test_plan_derives_every_stage_from_one_form(tmp_path):
@@ -71,8 +71,8 @@ def test_stage_book_skips_only_valid_output_for_the_same_key(tmp_path):
     run = tmp_path / "bench"
     run.mkdir()
     (run / "report.json").write_text("{}")
-    book.record("bench", "k1", {"output_dir": str(run)})
-    assert book.done("bench", "k1") is not None
+    book.record("bench", "k1", BenchOutput(output_dir=str(run), speedups={"1": 1.0}, seconds=3.0))
+    assert book.done("bench", "k1") == BenchOutput(output_dir=str(run), speedups={"1": 1.0})  # timing not recorded
     assert book.done("bench", "k2") is None  # other inputs
     (run / "report.json").unlink()
     assert book.done("bench", "k1") is None  # output gone
