@@ -1,7 +1,7 @@
 """``eaglenest extract``: run an extraction from the command line (no Prefect), with rich progress.
 
-Thin: parses options into :class:`~eaglenest.extract_config.ExtractParams`, calls
-:func:`~eaglenest.extract_run.run_extraction`, shows progress and the summary. Exit code 0 when the
+Thin: parses options into :class:`~eaglenest.extraction.config.ExtractParams`, calls
+:func:`~eaglenest.extraction.run.run_extraction`, shows progress and the summary. Exit code 0 when the
 extraction is complete, 1 when samples remain pending (re-run the same command to resume), 2 on a
 bad option. SIGTERM is turned into a normal exit so launched servers are stopped.
 """
@@ -60,7 +60,7 @@ def extract(
     """
     from pydantic import ValidationError
 
-    from eaglenest.extract_config import ExtractParams
+    from eaglenest.extraction.config import ExtractParams
 
     try:
         params = ExtractParams(
@@ -90,7 +90,7 @@ def _run(params) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from eaglenest.extract_run import run_extraction
+    from eaglenest.extraction.run import run_extraction
 
     columns = (TextColumn("[bold]extract[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())

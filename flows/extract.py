@@ -1,7 +1,7 @@
 """The ``extract`` flow: prompts -> tokenized samples -> batched prefill on capture servers -> validated ledger.
 
 Composition only (every step is a task in ``tasks/extract.py`` over the library). The parameter is
-:class:`eaglenest.extract_config.ExtractParams` (rendered as a form in the UI). Re-running with the
+:class:`eaglenest.extraction.config.ExtractParams` (rendered as a form in the UI). Re-running with the
 same parameters resumes the same extraction and does only the missing work (zero requests and no
 server launched when it is complete). The run ends Failed when samples remain pending after it
 (failed requests or invalid shards: see report.json), so a Retry from the UI resumes it.
@@ -15,8 +15,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eaglenest.extract import Counts
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.state import Counts
 from tasks import extract as t
 from tasks.store import convert_or_cached
 

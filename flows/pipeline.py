@@ -28,7 +28,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from eaglenest import pipeline as lib
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 from eaglenest.wheels import sha256_file
 from flows.bench import bench
 from flows.extract import extract

@@ -32,9 +32,9 @@ import httpx
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.launcher import ServerProcess, embedded_command, launched
 from eaglenest.engines.serving import free_port
-from eaglenest.extract import open_extraction, prepare
-from eaglenest.extract_config import ExtractParams
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction, prepare
 
 
 async def send_all(url: str, prompts: list[list[int]], concurrency: int, tag: str) -> float:

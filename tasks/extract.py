@@ -1,10 +1,10 @@
-"""Prefect tasks for extraction: thin shells over ``eaglenest.extract`` / ``eaglenest.extract_run``.
+"""Prefect tasks for extraction: thin shells over ``eaglenest.extraction.state`` / ``eaglenest.extraction.run``.
 
 Each task wraps one library call and adds what Prefect is for: retries (only for retryable errors),
 cache keys, progress and artifacts.
 
 - ``prepare`` is cached on CONTENT: the source's content fingerprint, the tokenizer and chat-template
-  hashes and the token limits (:func:`eaglenest.extract.prepare_key`), with results stored inside the
+  hashes and the token limits (:func:`eaglenest.extraction.state.prepare_key`), with results stored inside the
   extraction folder (so a cache entry never outlives the files it describes).
 - ``prefill`` / ``validate`` are deliberately not cached: the ledger (content-verified shards) is
   their idempotency record. A sample in the ledger is never planned again, a present shard is
@@ -30,12 +30,12 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eaglenest import extract as lib
-from eaglenest import extract_run as run
 from eaglenest.data.samples import Sample
 from eaglenest.engines.launcher import LaunchError
-from eaglenest.extract_config import ExtractParams
-from eaglenest.prefill import PrefillProgress
+from eaglenest.extraction import run as run
+from eaglenest.extraction import state as lib
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.prefill import PrefillProgress
 from eaglenest.servers import ServerPool, end_recorded_servers
 
 RESULTS_DIR = "prefect-results"

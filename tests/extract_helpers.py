@@ -3,7 +3,7 @@
 import json
 
 from eaglenest import contract
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 
 
 def with_(params, **kw):

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from eaglenest.extract import ConfigChanged, open_extraction
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import ConfigChanged, open_extraction
 from eaglenest.servers import PreflightError
 from tests.extract_helpers import assert_complete_and_exact, ledger_ids, ledger_lines, with_
 
@@ -158,7 +158,7 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     import types
 
     import eaglenest.engines
-    from eaglenest.extract_run import launch_specs
+    from eaglenest.extraction.run import launch_specs
 
     calls = []
     fake = types.ModuleType("eaglenest.engines.sglang_launcher")

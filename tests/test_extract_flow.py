@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.extract import open_extraction
-from eaglenest.extract_config import ExtractParams
-from eaglenest.ledger import Ledger
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.ledger import Ledger
+from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import assert_complete_and_exact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def _sigterm_flow_when(params, ready, extra_env):
     from prefect.settings import PREFECT_API_URL
 
     ext_dir = open_extraction(params).dir
-    code = ("import sys; from flows.extract import extract; from eaglenest.extract_config import ExtractParams; "
+    code = ("import sys; from flows.extract import extract; from eaglenest.extraction.config import ExtractParams; "
             "extract(ExtractParams.model_validate_json(sys.argv[1]))")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT), **extra_env}
     flow_proc = subprocess.Popen([sys.executable, "-c", code, params.model_dump_json()], cwd=ROOT, env=env,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from eaglenest.extract import open_extraction
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import assert_complete_and_exact, ledger_lines
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_flow_extracts_real_sharegpt_with_smollm2_twice(prefect_api, tmp_path):
 
 
 def test_regeneration_with_smollm2_agrees_with_its_lm_head(tmp_path):
-    from eaglenest.extract_run import run_extraction
+    from eaglenest.extraction.run import run_extraction
 
     params = ExtractParams(limit=4, max_turns=1, max_tokens=768, num_servers=1, output_dir=str(tmp_path / "out"),
                            extraction_id="regen", regeneration={"enabled": True, "max_new_tokens": 32})

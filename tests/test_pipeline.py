@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from eaglenest.extract import open_extraction, prepare
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.state import open_extraction, prepare
 from eaglenest.pipeline import PipelineParams, StageBook
 
 

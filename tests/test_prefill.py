@@ -8,7 +8,7 @@ import pytest
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.prefill import ClientConfig, prefill, prefill_async
+from eaglenest.extraction.prefill import ClientConfig, prefill, prefill_async
 
 A, B = "http://a", "http://b"
 

@@ -33,7 +33,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest.data.samples import Sample
-from eaglenest.ledger import LedgerEntry
+from eaglenest.extraction.ledger import LedgerEntry
 
 QUARANTINE = "quarantine"
 

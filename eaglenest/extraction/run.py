@@ -24,7 +24,10 @@ import httpx
 from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder, Skipped
 from eaglenest.data.samples import Sample
-from eaglenest.extract import (
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.prefill import ClientConfig, Failure, PrefillProgress, prefill
+from eaglenest.extraction.regenerate import RegenConfig, regenerate
+from eaglenest.extraction.state import (
     ConfigChanged,
     Counts,
     Extraction,
@@ -34,11 +37,8 @@ from eaglenest.extract import (
     prepare,
     write_report,
 )
-from eaglenest.extract_config import ExtractParams
-from eaglenest.prefill import ClientConfig, Failure, PrefillProgress, prefill
-from eaglenest.regenerate import RegenConfig, regenerate
+from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head, quarantine, validate_batch
 from eaglenest.servers import LaunchSpec, PreflightError, ServerPool, preflight
-from eaglenest.validate import Expectation, ValidateConfig, load_lm_head, quarantine, validate_batch
 
 
 @dataclass(frozen=True, slots=True)

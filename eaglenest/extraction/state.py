@@ -9,13 +9,13 @@ Owns the extraction folder (layout shared with the store and training stages)::
       regenerated.jsonl samples rebuilt from the target's own answers (append-only, torn tail ignored)
       provenance.json   the run's pinned provenance (every later shard and resume must match it)
       capture/          shards, one per sample id (written by the servers)
-      ledger.jsonl      one entry per VALIDATED sample (eaglenest.ledger)
+      ledger.jsonl      one entry per VALIDATED sample (eaglenest.extraction.ledger)
       quarantine/       invalid shards + <name>.reason.json
       logs/, servers.json, report.json
 
 The steps (:func:`open_extraction`, :func:`prepare`, :func:`plan`, :func:`connect`,
 :func:`regenerate_batch`, :func:`prefill_batch`, :func:`validate_step`, :func:`write_report`) are
-what the Prefect tasks wrap; :func:`run_extraction` (in :mod:`eaglenest.extract_run`) composes them.
+what the Prefect tasks wrap; :func:`run_extraction` (in :mod:`eaglenest.extraction.run`) composes them.
 
 Invariants: a sample is done only when its ledger entry exists (appended after validation); a re-run
 plans only samples without one (zero requests when complete); a shard already present for a pending
@@ -37,8 +37,8 @@ from eaglenest import models as model_lib
 from eaglenest.data.chat import ChatEncoder, Skipped, build_samples
 from eaglenest.data.samples import Sample, read_samples, write_samples
 from eaglenest.data.sources import BadRecord, read_records, source_fingerprint
-from eaglenest.extract_config import ExtractParams
-from eaglenest.ledger import Ledger
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.ledger import Ledger
 
 PREPARE_VERSION = 1
 

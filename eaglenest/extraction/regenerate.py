@@ -10,7 +10,7 @@ spans cover those answer ids plus the template's end-of-turn token.
 Invariants: a turn is generated only if prompt + ``max_new_tokens`` fits the token limit (a later turn
 that does not fit is dropped with the rest, counted in ``meta['dropped_turns']``; a first turn that
 does not fit skips the sample as too_long); sampled generation uses a per-sample, per-turn seed, so a
-re-run asks for the same thing; requests go through :class:`~eaglenest.prefill.EngineClient`
+re-run asks for the same thing; requests go through :class:`~eaglenest.extraction.prefill.EngineClient`
 (same retry policy as capture).
 """
 
@@ -25,7 +25,7 @@ from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.data.chat import ChatEncoder, SampleError, Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.data.sources import Message
-from eaglenest.prefill import Answer, ClientConfig, ClientStats, EngineClient, Failure, Job, run_sync
+from eaglenest.extraction.prefill import Answer, ClientConfig, ClientStats, EngineClient, Failure, Job, run_sync
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
