@@ -75,7 +75,8 @@ def main() -> None:
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    params = ExtractParams(source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
+    params = ExtractParams(recipe="capture",
+                           source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
                            dtype=a.dtype, batch_size=a.batch_size, concurrency=a.concurrency,
                            output_dir=str(work), extraction_id="bench")
     ext = open_extraction(params)

@@ -134,7 +134,8 @@ def phase_model(a) -> dict:
 def _params(a, url: str):
     from eaglenest.extraction.config import ExtractParams
 
-    return ExtractParams(source=str(a.prompts), limit=a.limit, max_tokens=a.max_tokens, model=str(model_dir(a)),
+    return ExtractParams(recipe="capture",
+                         source=str(a.prompts), limit=a.limit, max_tokens=a.max_tokens, model=str(model_dir(a)),
                          engine=a.engine, server_urls=[url], batch_size=a.batch_size, concurrency=a.concurrency,
                          output_dir=str(a.work / "extractions"), extraction_id="gpu-run", shard_wait_s=120,
                          request_timeout_s=900, launch_timeout_s=600)

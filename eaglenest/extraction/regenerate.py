@@ -1,23 +1,30 @@
 """Regeneration: the target answers each prompt itself, and the sample is rebuilt from its own answers.
 
 Owns turning a conversation into one the target wrote: every assistant turn is replaced, in order, by
-what the target generates for the conversation so far (``POST /generate`` with a ``nocapture:`` rid,
-so nothing is captured; greedy or sampled per :class:`RegenConfig`). A prompt-only record gets one
-answer. The sample's ids splice the template's text (tokenized piecewise) with each answer's ids
-exactly as generated (``output_ids``; re-tokenizing decoded text would change them), and the loss
-spans cover those answer ids plus the template's end-of-turn token.
+what the target generates for the conversation so far (turn i sees the target's own answers to turns
+< i; ``POST /generate`` with a ``nocapture:`` rid, so nothing is captured; greedy or sampled per
+:class:`RegenConfig`). A prompt-only record gets one answer. The sample's ids splice the template's
+text (tokenized piecewise) with each answer's ids exactly as generated (``output_ids``; re-tokenizing
+decoded text would change them), and the loss spans cover those answer ids plus the template's
+end-of-turn token (so the drafter learns to stop), never the prompt or the template's other text.
 
-Invariants: a turn is generated only if prompt + ``max_new_tokens`` fits the token limit (a later turn
-that does not fit is dropped with the rest, counted in ``meta['dropped_turns']``; a first turn that
-does not fit skips the sample as too_long); sampled generation uses a per-sample, per-turn seed, so a
-re-run asks for the same thing; requests go through :class:`~eaglenest.extraction.prefill.EngineClient`
-(same retry policy as capture).
+:class:`Regenerator` is driven by the extraction's one loop: :meth:`Regenerator.start` and
+:meth:`Regenerator.answered` return the next request (a :class:`~eaglenest.extraction.prefill.Job`),
+the finished :class:`Sample`, or a :class:`Skipped` decision. Every answer is handed to ``on_answer``
+(to persist it) before it is used, and answers given back through ``answers`` are replayed without a
+request: a resumed run never asks for an answer it already has.
+
+Invariants: a turn is generated only if prompt + ``min_new_tokens`` fits the token limit (a later turn
+that does not fit, or whose answer the limit cut, is dropped with the rest, counted in
+``meta['dropped_turns']``; a first turn that does not fit skips the sample as too_long); an answer cut
+by ``max_new_tokens`` or an empty answer skips the sample (kinds ``truncated`` / ``empty_answer``);
+sampled generation uses a per-sample, per-turn seed, so a re-run asks for the same thing.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +32,7 @@ from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.data.chat import ChatEncoder, SampleError, Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.data.sources import Message
-from eaglenest.extraction.prefill import Answer, ClientConfig, ClientStats, EngineClient, Failure, Job, run_sync
+from eaglenest.extraction.prefill import Job
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,14 +47,29 @@ class RegenConfig:
     seed: int = 0
 
 
-@dataclass(slots=True)
-class RegenResult:
-    samples: list[Sample] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-    failures: dict[str, Failure] = field(default_factory=dict)
-    stats: ClientStats = field(default_factory=ClientStats)
-    truncated_answers: int = 0
-    """Answers that hit max_new_tokens (kept; the template still closes the turn)."""
+@dataclass(frozen=True, slots=True)
+class TurnAnswer:
+    """One generated answer, as persisted (``answers.jsonl``) and replayed on resume."""
+
+    sample_id: str
+    turn: int
+    text: str
+    output_ids: list[int] | None
+    finish: str | None
+    """The engine's finish reason type: stop | length | abort | None."""
+    budget: int
+    """max_new_tokens the request asked for (a ``length`` finish below the configured maximum means the
+    token limit cut the answer, not max_new_tokens)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sample_id": self.sample_id, "turn": self.turn, "text": self.text, "output_ids": self.output_ids,
+                "finish": self.finish, "budget": self.budget}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TurnAnswer:
+        ids = d.get("output_ids")
+        return cls(str(d["sample_id"]), int(d["turn"]), str(d["text"]),
+                   [int(x) for x in ids] if isinstance(ids, list) else None, d.get("finish"), int(d["budget"]))
 
 
 @dataclass(slots=True)
@@ -57,15 +79,14 @@ class _State:
     i: int = 0
     turn: int = 0
     dropped: int = 0
-    truncated: int = 0
     ids: list[int] = field(default_factory=list)
     """Token ids so far: rendered template text tokenized piecewise + the target's own answer ids."""
     text: str = ""
     """The template rendering of ``out[:rendered]`` (what ``ids`` stand for)."""
     spans: list[tuple[int, int]] = field(default_factory=list)
     rendered: int = 0
-    pending: tuple[str, list[int]] | None = None
-    error: SampleError | None = None
+    pending: tuple[str, list[int], int] | None = None
+    """(rendered prompt text, its new ids, the request's max_new_tokens) of the turn being generated."""
 
 
 def _seed(base: int, sample_id: str, turn: int) -> int:
@@ -76,16 +97,93 @@ def _seed(base: int, sample_id: str, turn: int) -> int:
 _CLOSING_RESERVE = 8
 """Tokens kept free for the template's end-of-turn after a generated answer."""
 
+Outcome = Job | Sample | Skipped
 
-class _Planner:
+
+@dataclass(slots=True)
+class RegenStats:
+    requests_planned: int = 0
+    answers: int = 0
+    """Answers received from the engine this run."""
+    replayed: int = 0
+    """Answers reused from an earlier run (no request)."""
+    generated_tokens: int = 0
+    samples: int = 0
+    skipped: int = 0
+
+
+class Regenerator:
     """Builds each conversation turn by turn. The sample's ids are the template's text (tokenized piece
     by piece, each piece a suffix of the previous rendering) spliced with the answer ids exactly as the
     target generated them, so the capture sees the target's own tokens, not a re-tokenization."""
 
-    def __init__(self, encoder: ChatEncoder, config: RegenConfig, max_tokens: int) -> None:
+    def __init__(self, encoder: ChatEncoder, config: RegenConfig, max_tokens: int, *,
+                 answers: Mapping[tuple[str, int], TurnAnswer] | None = None,
+                 on_answer: Callable[[TurnAnswer], None] | None = None, priority: int = 0) -> None:
         self.encoder, self.config, self.max_tokens = encoder, config, max_tokens
         self.stop_ids = {i for i in (encoder.tokenizer.eos_token_id,) if i is not None}
+        self.answers = dict(answers or {})
+        self.on_answer, self.priority = on_answer, priority
+        self.stats = RegenStats()
 
+    # ---------------------------------------------------------------- driving
+    def start(self, sample: Sample) -> Outcome:
+        """The first request for ``sample`` (or its finished form when every answer is persisted)."""
+        return self._advance(_State(sample))
+
+    def answered(self, state: Any, body: dict[str, Any]) -> Outcome:
+        """Use the engine's answer to a request of ours (``state`` is its ``Job.payload``); returns the next
+        request, the sample, or a skip. A body without text raises ValueError (a contract violation)."""
+        st: _State = state
+        if not isinstance(body.get("text"), str):
+            raise ValueError("generation answer has no text")
+        meta = body.get("meta_info") or {}
+        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        ids = body.get("output_ids")
+        if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
+            ids = list(ids)
+            if kind == "stop" and ids and (ids[-1] in self.stop_ids or ids[-1] == finish.get("matched")):
+                ids.pop()  # the template writes its own end-of-turn
+            self.stats.generated_tokens += len(body.get("output_ids"))
+        else:
+            ids = None
+        self.stats.answers += 1
+        ans = TurnAnswer(st.sample.sample_id, st.turn, body["text"], ids, kind, st.pending[2])
+        if self.on_answer is not None:
+            self.on_answer(ans)  # persisted before use: a crash from here on never asks for it again
+        return self._use(st, ans)
+
+    def _use(self, st: _State, ans: TurnAnswer) -> Outcome:
+        try:
+            self._splice(st, ans)
+        except SampleError as e:
+            return self._skip(st, e)
+        return self._advance(st)
+
+    def _advance(self, st: _State) -> Outcome:
+        while True:
+            try:
+                job = self._next_job(st)
+            except SampleError as e:
+                return self._skip(st, e)
+            if job is None:
+                return self._finish(st)
+            ans = self.answers.get((st.sample.sample_id, st.turn))
+            if ans is None:
+                self.stats.requests_planned += 1
+                return job
+            self.stats.replayed += 1
+            try:
+                self._splice(st, ans)
+            except SampleError as e:
+                return self._skip(st, e)
+
+    def _skip(self, st: _State, e: SampleError) -> Skipped:
+        self.stats.skipped += 1
+        return Skipped(st.sample.sample_id, e.kind, e.reason)
+
+    # ---------------------------------------------------------------- the splice
     def _tokens(self, text: str) -> list[int]:
         return self.encoder.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
@@ -94,15 +192,8 @@ class _Planner:
             raise SampleError("chat template is not prefix-stable across turns; cannot splice regenerated answers")
         return self._tokens(text[len(st.text):])
 
-    def next_job(self, st: _State) -> Job | None:
-        """Advance to the next point that needs an answer; None when the conversation is complete."""
-        try:
-            return self._next_job(st)
-        except SampleError as e:
-            st.error, st.i = e, len(st.sample.messages)
-            return None
-
     def _next_job(self, st: _State) -> Job | None:
+        """Advance to the next point that needs an answer; None when the conversation is complete."""
         orig = st.sample.messages
         while st.i < len(orig):
             m = orig[st.i]
@@ -118,32 +209,39 @@ class _Planner:
             prompt = st.ids + delta
             budget = min(self.config.max_new_tokens, self.max_tokens - len(prompt) - _CLOSING_RESERVE)
             if budget < min(self.config.min_new_tokens, self.config.max_new_tokens):
-                st.dropped = sum(1 for x in orig[st.i - 1:] if x.role == "user")
-                st.i = len(orig)
+                self._drop_rest(st)
                 return None
-            st.pending = (text, delta)
+            st.pending = (text, delta, budget)
             sp: dict[str, Any] = {"max_new_tokens": budget, "temperature": self.config.temperature,
                                   "top_p": self.config.top_p}
             if self.config.temperature > 0:
                 sp["sampling_seed"] = _seed(self.config.seed, st.sample.sample_id, st.turn)
             rid = f"{NO_CAPTURE_RID_PREFIX}regen:{st.sample.sample_id}:{st.turn}"
-            return Job(rid, {"input_ids": prompt, "rid": rid, "sampling_params": sp}, payload=st)
+            return Job(rid, {"input_ids": prompt, "rid": rid, "sampling_params": sp}, payload=st,
+                       priority=self.priority)
         return None
 
-    def answered(self, st: _State, body: dict[str, Any]) -> None:
-        """Splice one generated answer (its ids as generated, minus the stop token) and the turn's end."""
-        text, delta = st.pending
-        content = body["text"]
-        finish = (body.get("meta_info") or {}).get("finish_reason") or {}
-        kind = finish.get("type") if isinstance(finish, dict) else None
-        ids = body.get("output_ids")
-        if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
-            ids = list(ids)
-            if kind == "stop" and ids and (ids[-1] in self.stop_ids or ids[-1] == finish.get("matched")):
-                ids.pop()  # the template writes its own end-of-turn
-        else:  # the server returned text only: tokenize it (may differ from what was generated)
-            ids = self._tokens(content)
-        st.truncated += kind == "length"
+    def _drop_rest(self, st: _State) -> None:
+        """This turn and every later one are left out (the conversation so far is the sample)."""
+        orig = st.sample.messages
+        st.dropped = sum(1 for x in orig[st.i - 1:] if x.role == "user")
+        st.i = len(orig)
+        st.pending = None
+
+    def _splice(self, st: _State, ans: TurnAnswer) -> None:
+        """Splice one answer (its ids as generated, minus the stop token) and the turn's end."""
+        text, delta, budget = st.pending
+        content = ans.text
+        if ans.finish == "length":
+            if budget < self.config.max_new_tokens:  # the token limit cut it, not max_new_tokens
+                if st.turn == 0:
+                    raise SampleError(f"the first answer reached the token limit {self.max_tokens}", "too_long")
+                self._drop_rest(st)
+                return
+            raise SampleError(f"answer to turn {st.turn} was cut at max_new_tokens={budget}", "truncated")
+        if not content.strip():
+            raise SampleError(f"the target's answer to turn {st.turn} is empty", "empty_answer")
+        ids = ans.output_ids if ans.output_ids is not None else self._tokens(content)  # text only: re-tokenized
         st.out.append(Message("assistant", content))
         full = self.encoder.render(st.out)
         if not full.startswith(text + content):
@@ -158,74 +256,15 @@ class _Planner:
         st.text, st.rendered, st.pending = full, len(st.out), None
         st.turn += 1
 
-    def finish(self, st: _State) -> Sample:
-        if st.error is not None:
-            raise st.error
+    def _finish(self, st: _State) -> Sample | Skipped:
         if not st.spans:
             least = min(self.config.min_new_tokens, self.config.max_new_tokens)
-            raise SampleError(f"the prompt leaves fewer than {least} tokens for an answer "
-                              f"within {self.max_tokens}", "too_long")
+            return self._skip(st, SampleError(f"the prompt leaves fewer than {least} tokens for an answer "
+                                              f"within {self.max_tokens}", "too_long"))
         if len(st.ids) > self.max_tokens:
-            raise SampleError(f"{len(st.ids)} tokens after regeneration > limit {self.max_tokens}", "too_long")
-        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped, "truncated_answers": st.truncated}
+            return self._skip(st, SampleError(f"{len(st.ids)} tokens after regeneration > limit {self.max_tokens}",
+                                              "too_long"))
+        self.stats.samples += 1
+        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped}
         return st.sample.with_ids(st.ids, st.spans, messages=tuple(st.out[: st.rendered]), regenerated=True,
                                   meta=meta)
-
-
-async def regenerate_async(
-    samples: Sequence[Sample], servers: Sequence[str], encoder: ChatEncoder, *, max_tokens: int,
-    config: RegenConfig | None = None, client_config: ClientConfig | None = None, transport=None,
-    on_sample: Callable[[Sample], None] | None = None,
-) -> RegenResult:
-    """Regenerate every sample's assistant turns; ``on_sample`` sees each finished sample (to persist it)."""
-    planner = _Planner(encoder, config or RegenConfig(), max_tokens)
-    client = EngineClient(servers, config=client_config, transport=transport)
-    result = RegenResult(stats=client.stats)
-
-    def settle(st: _State) -> None:
-        try:
-            sample = planner.finish(st)
-        except SampleError as e:
-            result.skipped.append(Skipped(st.sample.sample_id, e.kind, e.reason))
-            return
-        result.samples.append(sample)
-        result.truncated_answers += st.truncated
-        if on_sample is not None:
-            on_sample(sample)
-
-    def on_outcome(o: Answer | Failure) -> list[Job]:
-        st: _State = o.payload
-        if isinstance(o, Failure):
-            result.failures[st.sample.sample_id] = o
-            return []
-        if not isinstance(o.body.get("text"), str):
-            result.failures[st.sample.sample_id] = Failure(
-                o.key, "terminal", "contract", "generation answer has no text", o.server, o.attempts)
-            return []
-        try:
-            planner.answered(st, o.body)
-        except SampleError as e:
-            st.error = e
-            settle(st)
-            return []
-        job = planner.next_job(st)
-        if job is None:
-            settle(st)
-            return []
-        return [job]
-
-    first: list[Job] = []
-    for s in samples:
-        st = _State(s)
-        job = planner.next_job(st)
-        if job is None:
-            settle(st)
-        else:
-            first.append(job)
-    await client.run(first, on_outcome=on_outcome)
-    return result
-
-
-def regenerate(samples: Sequence[Sample], servers: Sequence[str], encoder: ChatEncoder, **kwargs) -> RegenResult:
-    """Blocking :func:`regenerate_async`."""
-    return run_sync(lambda: regenerate_async(samples, servers, encoder, **kwargs))

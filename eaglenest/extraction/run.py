@@ -1,242 +1,145 @@
-"""Running an extraction: its servers, the per-batch steps, and :func:`run_extraction` end to end.
+"""The ONE extraction loop: open -> prepare -> plan -> launch -> connect -> stream (rounds) -> report.
 
-Owns the order of engine work for one run: connect (preflight every server), then per batch
-regenerate (optional) -> prefill (relaunch dead servers and resend retryable failures, bounded) ->
-validate (in a background thread, overlapping the next batch's prefill) -> ledger; invalid shards
-re-queued once at the end. The Prefect tasks in ``tasks/extract.py`` wrap these same functions.
+Owns the order of engine work for one run. :func:`run_extraction` is called as it is by the CLI and
+by the Prefect flow, which passes a ``step`` wrapper that makes each call a task (so there is one loop,
+not two). The engine work of a round is :func:`stream`, a pipeline rather than phase after phase:
 
-Invariants: no request for a sample whose shard is already present (validation decides it);
-terminal failures are never resent within a run; every server this run launched is stopped on
-every exit path (``with ServerPool``); nothing here imports Prefect.
+- every pending sample enters at once; the client keeps ``concurrency`` requests in flight per server
+  from one priority queue, so the engine's batch stays full until the last request;
+- regeneration (optional): each answer is persisted (``answers.jsonl``) as it arrives, the
+  conversation's next turn is queued ahead of new conversations, and a finished sample is persisted
+  (``regenerated.jsonl``) and queued for capture at once;
+- capture: a prefill request per sample (rid = sample id); its answer hands the sample to a validation
+  thread that checks shards in chunks and appends them to the ledger while the engine keeps working.
+
+Retryable failures (a dead server) end the round; the dead servers are relaunched and the round runs
+again on what is left (bounded); invalid shards are re-queued once in a last round.
+
+Invariants: no request for a sample whose shard is already present (validation decides it), nor for
+an answer already persisted; terminal failures are never resent within a run; every server this run
+launched is stopped on every exit path; one process at a time runs an extraction (folder lock);
+nothing here imports Prefect.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import re
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from eaglenest import contract
-from eaglenest.data.chat import ChatEncoder, Skipped
+from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
-from eaglenest.extraction.config import ExtractParams
-from eaglenest.extraction.prefill import ClientConfig, Failure, PrefillProgress, prefill
-from eaglenest.extraction.regenerate import RegenConfig, regenerate
+from eaglenest.extraction.connect import RunContext, connect, make_pool
+from eaglenest.extraction.prefill import (
+    Answer,
+    EngineClient,
+    Failure,
+    Job,
+    capture_request,
+    check_capture_answer,
+    run_sync,
+)
+from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
 from eaglenest.extraction.state import (
-    ConfigChanged,
+    ANSWERS,
+    REGENERATED,
     Counts,
     Extraction,
-    append_regenerated,
+    JsonlLog,
+    Prepared,
+    load_answers,
     open_extraction,
     plan,
     prepare,
+    regenerated_row,
     write_report,
 )
-from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head, quarantine, validate_batch
-from eaglenest.servers import LaunchSpec, PreflightError, ServerPool, preflight
+from eaglenest.extraction.validate import quarantine, validate_batch
+from eaglenest.servers import ServerPool
+
+Step = Callable[..., Any]
+"""``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""
+
+
+def direct(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
 class Progress:
     total: int
-    """Samples this run set out to finish."""
+    """Samples of the extraction (done before this run included)."""
+    done_before: int
     answered: int
+    """Capture answers this run (shards written)."""
     failed: int
     validated: int
+    """Validated in total (done before this run + this run)."""
     tokens: int
+    """Prompt tokens prefilled with capture this run."""
+    generated_tokens: int
+    regenerated: int
     requests: int
     elapsed_s: float
+    rates: dict[str, float] = field(default_factory=dict)
+    """generated_tok_per_s, prefill_tok_per_s, validated_per_s (each over its phase's time so far)."""
+
+
+class Phase:
+    """When a phase ran (first start to last end, possibly overlapping others) and how much it did."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+        self.amount = 0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def mark(self, amount: int = 0) -> None:
+        self.begin()
+        self.end = time.perf_counter()
+        self.amount += amount
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+
+    def rate(self) -> float:
+        return self.amount / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
-class RunContext:
-    """What a run learned from its servers, shared by its steps (in-process, never serialized)."""
+class Phases:
+    regenerate: Phase = field(default_factory=Phase)
+    """amount = generated tokens"""
+    prefill: Phase = field(default_factory=Phase)
+    """amount = prompt tokens captured"""
+    validate: Phase = field(default_factory=Phase)
+    """amount = samples validated"""
 
-    pool: ServerPool
-    expect: Expectation
-    capture_dirs: tuple[str, ...]
-    max_prompt_tokens: int
-    client_config: ClientConfig
-    validate_config: ValidateConfig
-    transport: httpx.AsyncBaseTransport | None = None
-    encoder: ChatEncoder | None = None
-    lm_head: object | None = None
-
-
-@dataclass
-class PrefillStep:
-    to_validate: list[Sample] = field(default_factory=list)
-    counts: Counts = field(default_factory=Counts)
+    def rates(self) -> dict[str, float]:
+        return {"generated_tok_per_s": self.regenerate.rate(), "prefill_tok_per_s": self.prefill.rate(),
+                "validated_per_s": self.validate.rate()}
 
 
-@dataclass
-class ValidateStep:
-    requeue: list[Sample] = field(default_factory=list)
-    counts: Counts = field(default_factory=Counts)
-
-
-# ------------------------------------------------------------------------------ servers
-def _tp_size(args: Sequence[str]) -> int:
-    text = " ".join(args)
-    m = re.search(r"--(?:tp-size|tensor-parallel-size|tp)[ =](\d+)", text)
-    return int(m.group(1)) if m else 1
-
-
-def launch_specs(ext: Extraction) -> list[LaunchSpec]:
-    """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
-    from eaglenest.engines.launcher import ServerProcess, embedded_command
-
-    p = ext.params
-
-    def embedded(i: int) -> LaunchSpec:
-        def make(port: int) -> ServerProcess:
-            cmd = embedded_command(model=str(ext.model_dir), port=port, capture_dir=str(ext.capture_dir),
-                                   aux_layer_ids=ext.aux_layer_ids, dtype=p.dtype,
-                                   extra=["--max-batch-size", str(p.embedded_max_batch_size)])
-            return ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=ext.path(f"logs/server-{i}.log"))
-        return LaunchSpec(f"embedded-{i}", make)
-
-    def sglang(i: int) -> LaunchSpec:
-        def make(port: int) -> ServerProcess:
-            from eaglenest.engines import sglang_launcher
-
-            args = list(p.sglang_args)
-            if p.num_servers > 1 and "--base-gpu-id" not in args:  # data parallel: one GPU set per server
-                args += ["--base-gpu-id", str(i * _tp_size(args))]
-            cmd, env = sglang_launcher.build_command(
-                model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
-                aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
-            return ServerProcess(cmd=list(cmd), url=f"http://127.0.0.1:{port}",
-                                 log_path=ext.path(f"logs/server-{i}.log"), env=dict(env or {}))
-        return LaunchSpec(f"sglang-{i}", make)
-
-    make_spec = embedded if p.engine == "embedded" else sglang
-    return [make_spec(i) for i in range(p.num_servers)]
-
-
-def make_pool(ext: Extraction) -> ServerPool:
-    p = ext.params
-    if p.server_urls:
-        return ServerPool(urls_given=p.server_urls, launch_timeout_s=p.launch_timeout_s)
-    return ServerPool(specs=launch_specs(ext), launch_timeout_s=p.launch_timeout_s,
-                      max_relaunches=max(1, p.max_relaunch_rounds) * 2, record_path=ext.path("servers.json"))
-
-
-def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTransport | None = None) -> RunContext:
-    """Preflight the servers against the run and the extraction's pinned provenance."""
-    p = ext.params
-    pf = preflight(pool.urls, aux_layer_ids=ext.aux_layer_ids, require_capture_block=p.engine == "embedded",
-                   hidden_size=ext.hidden_size)
-    fp = ext.fingerprint
-    expect = Expectation(aux_layer_ids=ext.aux_layer_ids, hidden_size=ext.hidden_size, num_layers=ext.num_layers,
-                         model_hash=fp["model_hash"], tokenizer_hash=fp["tokenizer_hash"],
-                         chat_template_hash=fp["chat_template_hash"])
-    if pf.provenance is not None:
-        diff = expect.mismatches(pf.provenance)
-        if diff:
-            raise PreflightError(f"the servers do not serve the run's model/tokenizer/template as tokenized here: "
-                                 f"{'; '.join(diff)}")
-    pinned_path = ext.path("provenance.json")
-    pinned = contract.Provenance.from_json(pinned_path.read_text()) if pinned_path.is_file() else None
-    if pinned is not None and pf.provenance is not None and pinned.mismatches(pf.provenance):
-        raise ConfigChanged(f"extraction {ext.id} was captured with other numerics "
-                            f"({', '.join(pinned.mismatches(pf.provenance))} differ from {pinned_path}); "
-                            "use another extraction_id for this server setup")
-    if pf.provenance is not None and pinned is None:
-        contract.atomic_write_bytes(pinned_path, pf.provenance.to_json().encode())
-    expect = expect.pinned(pf.provenance or pinned) if (pf.provenance or pinned) else expect
-    limit = ext.token_limit
-    if pf.context_length:
-        limit = min(limit, pf.context_length - max(1, p.context_headroom))
-    dirs = [*pf.capture_dirs, *([p.server_capture_dir] if p.server_capture_dir else [])]
-    client = ClientConfig(concurrency=p.concurrency, timeout_s=p.request_timeout_s, max_attempts=p.max_attempts,
-                          backoff_s=p.backoff_s, backoff_max_s=max(p.backoff_s, 15.0))
-    ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit,
-                     client_config=client, validate_config=ValidateConfig(
-                         shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement),
-                     transport=transport)
-    if p.regeneration.enabled:
-        ctx.encoder = ChatEncoder(ext.model_dir)
-        ctx.lm_head = load_lm_head(ext.model_dir)
-    return ctx
-
-
-# ------------------------------------------------------------------------------ steps
 def _problem(sample_id: str, stage: str, kind: str, message: str) -> dict:
     return {"sample_id": sample_id, "stage": stage, "kind": kind, "message": message}
 
 
-def regenerate_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample]) -> tuple[list[Sample], Counts]:
-    """Rebuild not-yet-regenerated samples from the target's answers; persists them before returning."""
-    counts = Counts()
-    todo = [s for s in batch if not s.regenerated]
-    ready = [s for s in batch if s.regenerated]
-    if not todo:
-        return ready, counts
-    r = ext.params.regeneration
-    res = regenerate(todo, ctx.pool.urls, ctx.encoder, max_tokens=ctx.max_prompt_tokens,
-                     config=RegenConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                        seed=r.seed),
-                     client_config=ctx.client_config, transport=ctx.transport)
-    append_regenerated(ext, res.samples, res.skipped)
-    counts.requests, counts.retries = res.stats.requests, res.stats.retries
-    counts.regenerated = len(res.samples)  # its skips are persisted and reported from regenerated.jsonl
-    counts.failed = len(res.failures)
-    counts.problems += [_problem(sid, "regenerate", f.reason, f.message) for sid, f in res.failures.items()]
-    return ready + res.samples, counts
-
-
-def prefill_batch(ext: Extraction, ctx: RunContext, batch: Sequence[Sample], *,
-                  on_progress: Callable[[PrefillProgress], None] | None = None) -> PrefillStep:
-    """Send the batch's samples that have no shard yet; relaunch and resend retryable failures (bounded)."""
-    step, t0 = PrefillStep(), time.perf_counter()
-    names = {s.sample_id: contract.shard_filename(s.sample_id) for s in batch}
-    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
-    pending = []
-    for s in batch:
-        if s.num_tokens > ctx.max_prompt_tokens:
-            step.counts.skipped += 1
-            step.counts.problems.append(_problem(s.sample_id, "prefill", "too_long",
-                                                 f"{s.num_tokens} tokens > server limit {ctx.max_prompt_tokens}"))
-        elif any((d / names[s.sample_id]).is_file() for d in dirs):
-            step.to_validate.append(s)  # answered before (e.g. a killed run): validation decides
-            step.counts.reused_shards += 1
-        else:
-            pending.append(s)
-    failures: dict[str, Failure] = {}
-    for round_ in range(ext.params.max_relaunch_rounds + 1):
-        if not pending:
-            break
-        res = prefill(pending, ctx.pool.urls, config=ctx.client_config, transport=ctx.transport,
-                      on_progress=on_progress)
-        step.counts.requests += res.stats.requests
-        step.counts.retries += res.stats.retries
-        step.counts.tokens += res.tokens
-        step.to_validate += [s for s in pending if s.sample_id in res.answers]
-        failures.update({k: f for k, f in res.failures.items() if f.kind == "terminal"})
-        retry = [s for s in pending if s.sample_id in res.failures and res.failures[s.sample_id].kind == "retryable"]
-        if retry and round_ < ext.params.max_relaunch_rounds and ctx.pool.revive() > 0:
-            # a dying server may have finished work whose answer never arrived: validate, do not resend
-            done = [s for s in retry if any((d / names[s.sample_id]).is_file() for d in dirs)]
-            step.to_validate += done
-            step.counts.reused_shards += len(done)
-            pending = [s for s in retry if s not in done]
-            continue
-        failures.update({s.sample_id: res.failures[s.sample_id] for s in retry})
-        break
-    for sid, f in failures.items():  # an answer that broke the contract must not leave its shard behind
-        path = next((d / names[sid] for d in dirs if (d / names[sid]).is_file()), None)
-        if f.reason == "contract" and path is not None:
-            quarantine(ext.dir, path, sid, f.message, "contract")
-    step.counts.failed = len(failures)
-    step.counts.problems += [_problem(k, "prefill", f.reason, f.message) for k, f in failures.items()]
-    step.counts.prefill_s = time.perf_counter() - t0
-    return step
+# ------------------------------------------------------------------------------ validation thread
+@dataclass
+class ValidateStep:
+    requeue: list[Sample] = field(default_factory=list)
+    counts: Counts = field(default_factory=Counts)
 
 
 def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *,
@@ -271,71 +174,283 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
     return step
 
 
+class Validator:
+    """Validates answered samples in a thread, in chunks of up to ``chunk`` (whatever has arrived after
+    ``linger_s``), so shard checks and ledger appends overlap the engine's work."""
+
+    def __init__(self, ext: Extraction, ctx: RunContext, phase: Phase, *, chunk: int, allow_requeue: bool,
+                 linger_s: float = 0.25) -> None:
+        self.ext, self.ctx, self.phase, self.chunk = ext, ctx, phase, max(4, chunk)
+        self.allow_requeue, self.linger_s = allow_requeue, linger_s
+        self.counts, self.requeue = Counts(), []
+        self._q: queue.Queue[Sample | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._abandon = False
+        self._thread = threading.Thread(target=self._loop, name="extract-validate", daemon=True)
+        self._thread.start()
+
+    def put(self, sample: Sample) -> None:
+        self._q.put(sample)
+
+    def close(self, *, drain: bool = True) -> None:
+        """Validate what is queued (``drain``; else leave it to the next run), stop the thread, raise what
+        it raised."""
+        self._abandon = not drain
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        end = False
+        while not end:
+            item = self._q.get()
+            batch = [] if item is None else [item]
+            end = item is None
+            deadline = time.monotonic() + self.linger_s
+            while not end and len(batch) < self.chunk:
+                try:
+                    item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    end = True
+                else:
+                    batch.append(item)
+            if not batch or self._error is not None or self._abandon:
+                continue
+            try:
+                self.phase.begin()
+                v = validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue)
+            except BaseException as e:  # surfaced by close(); the loop keeps draining so close() returns
+                self._error = e
+                continue
+            self.counts.add(v.counts)
+            self.requeue += v.requeue
+            self.phase.mark(v.counts.validated)
+
+
+# ------------------------------------------------------------------------------ one round
+@dataclass
+class RoundResult:
+    counts: Counts = field(default_factory=Counts)
+    retry: list[Sample] = field(default_factory=list)
+    """Samples whose request failed retryably (server gone): the next round tries them again."""
+    failures: dict[str, Failure] = field(default_factory=dict)
+    requeue: list[Sample] = field(default_factory=list)
+    live: dict[str, int] = field(default_factory=dict)
+    """answered / failed / tokens / regenerated, as shown in progress."""
+
+
+def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phases: Phases | None = None,
+           on_progress: Callable[[dict[str, int]], None] | None = None, allow_requeue: bool = True) -> RoundResult:
+    """Regenerate (when asked), capture and validate ``samples`` as one pipeline; see the module docstring."""
+    phases = phases or Phases()
+    res = RoundResult()
+    c = res.counts
+    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
+    regen = ext.params.regeneration.enabled
+    live = res.live = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}
+    validator = Validator(ext, ctx, phases.validate, chunk=ext.params.batch_size, allow_requeue=allow_requeue)
+    answers_log = JsonlLog(ext.path(ANSWERS)) if regen else None
+    regen_log = JsonlLog(ext.path(REGENERATED)) if regen else None
+    regenerator = None
+    if regen:
+        persisted = {k: TurnAnswer.from_json(d) for k, d in load_answers(ext).items()}
+        regenerator = Regenerator(ctx.encoder, ctx.regen_config, ctx.max_prompt_tokens, answers=persisted,
+                                  on_answer=lambda a: answers_log.write([a.to_json()]), priority=0)
+
+    def capture(s: Sample, priority: int) -> list[Job]:
+        if s.num_tokens > ctx.max_prompt_tokens:
+            c.skipped += 1
+            c.problems.append(_problem(s.sample_id, "prefill", "too_long",
+                                       f"{s.num_tokens} tokens > server limit {ctx.max_prompt_tokens}"))
+            return []
+        name = contract.shard_filename(s.sample_id)
+        if any((d / name).is_file() for d in dirs):
+            c.reused_shards += 1  # answered before (e.g. a killed run): validation decides, no request
+            validator.put(s)
+            return []
+        phases.prefill.begin()
+        return [Job(s.sample_id, capture_request(s), payload=s, priority=priority, check=check_capture_answer)]
+
+    def regenerated(out: Job | Sample | Skipped) -> list[Job]:
+        if isinstance(out, Job):
+            return [out]
+        regen_log.write([regenerated_row(out)])
+        if isinstance(out, Skipped):
+            c.problems.append(_problem(out.sample_id, "regenerate", out.kind, out.reason))
+            return []
+        c.regenerated += 1
+        live["regenerated"] += 1
+        return capture(out, 0)
+
+    def failed(sample: Sample, f: Failure, stage: str) -> None:
+        live["failed"] += 1
+        if f.kind == "retryable":
+            res.retry.append(sample)
+        else:
+            res.failures[sample.sample_id] = f
+            c.problems.append(_problem(sample.sample_id, stage, f.reason, f.message))
+            if stage == "prefill" and f.reason == "contract":  # its shard must not stay under the capture name
+                path = next((d / contract.shard_filename(sample.sample_id) for d in dirs
+                             if (d / contract.shard_filename(sample.sample_id)).is_file()), None)
+                if path is not None:
+                    quarantine(ext.dir, path, sample.sample_id, f.message, "contract")
+
+    def on_outcome(o: Answer | Failure) -> list[Job]:
+        if isinstance(o.payload, Sample):  # a capture
+            s = o.payload
+            if isinstance(o, Failure):
+                failed(s, o, "prefill")
+            else:
+                live["answered"] += 1
+                live["tokens"] += s.num_tokens
+                phases.prefill.mark(s.num_tokens)
+                validator.put(s)
+            follow: list[Job] = []
+        else:  # a regeneration turn
+            st = o.payload
+            if isinstance(o, Failure):
+                failed(st.sample, o, "regenerate")
+                follow = []
+            else:
+                before = regenerator.stats.generated_tokens
+                try:
+                    out = regenerator.answered(st, o.body)
+                except ValueError as e:
+                    failed(st.sample, Failure(o.key, "terminal", "contract", str(e), o.server, o.attempts),
+                           "regenerate")
+                    out = None
+                phases.regenerate.mark(regenerator.stats.generated_tokens - before)
+                follow = regenerated(out) if out is not None else []
+        if on_progress is not None:
+            on_progress(live)
+        return follow
+
+    ok = False
+    try:
+        jobs: list[Job] = []
+        for s in sorted(samples, key=lambda s: -s.num_tokens):  # long ones first: less tail latency
+            if regen and not s.regenerated:
+                out = regenerator.start(s)
+                if isinstance(out, Job):
+                    phases.regenerate.begin()
+                jobs += regenerated(out)
+            else:
+                jobs += capture(s, 1)
+        if jobs:
+            client = EngineClient(ctx.pool.urls, config=ctx.client_config, transport=ctx.transport)
+            run_sync(lambda: client.run(jobs, on_outcome=on_outcome))
+            c.requests, c.retries = client.stats.requests, client.stats.retries
+        ok = True
+    finally:
+        for log in (answers_log, regen_log):
+            if log is not None:
+                log.close()
+        # interrupted: shards answered but not validated stay for the next run (it validates them, no request)
+        validator.close(drain=ok)
+        if on_progress is not None:
+            on_progress(live)
+    c.add(validator.counts)
+    res.requeue = validator.requeue
+    c.tokens = live["tokens"]
+    c.failed = len(res.failures)
+    if regenerator is not None:
+        c.generated_tokens = regenerator.stats.generated_tokens
+        c.replayed_answers = regenerator.stats.replayed
+    c.prefill_s = phases.prefill.seconds
+    return res
+
+
+# ------------------------------------------------------------------------------ servers
+def start_servers(pool: ServerPool) -> list[str]:
+    return pool.start()
+
+
+def stop_servers(pool: ServerPool) -> None:
+    pool.stop()
+
+
 # ------------------------------------------------------------------------------ end to end
-def run_extraction(params: ExtractParams, *, on_progress: Callable[[Progress], None] | None = None,
-                   pool: ServerPool | None = None, transport: httpx.AsyncBaseTransport | None = None) -> dict:
-    """Extract end to end (plain Python, no Prefect); returns the report (also in report.json)."""
+def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = None, pool: ServerPool | None = None,
+                   transport: httpx.AsyncBaseTransport | None = None, step: Step = direct) -> dict:
+    """Extract end to end; returns the report (also in report.json). ``step`` wraps each step's call."""
     t0 = time.perf_counter()
-    ext = open_extraction(params)
-    prepared = prepare(ext)
-    batches = plan(ext, prepared)
-    counts = Counts()
+    ext = step(open_extraction, params)
+    with ext.lock():
+        prepared: Prepared = step(prepare, ext)
+        pending = step(plan, ext, prepared)
+        return _run(ext, prepared, pending, t0=t0, on_progress=on_progress, pool=pool, transport=transport,
+                    step=step)
+
+
+def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float,
+         on_progress: Callable[[Progress], None] | None, pool: ServerPool | None,
+         transport: httpx.AsyncBaseTransport | None, step: Step) -> dict:
+    params = ext.params
+    counts, phases, stages = Counts(), Phases(), {"prepare": time.perf_counter() - t0}
     relaunches = launched = 0
-    phases = {"prepare": time.perf_counter() - t0}
-    if batches:
-        total = sum(map(len, batches))
-        base = {"answered": 0, "failed": 0, "tokens": 0, "requests": 0}
+    done_before = len(prepared.samples) - len(pending)
+    if pending:
+        base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}
+        last = [0.0]
 
-        def report_progress(p: PrefillProgress | None = None) -> None:
-            if on_progress is not None:
-                p = p or PrefillProgress(0, 0, 0, 0, 0, 0)
-                on_progress(Progress(total, base["answered"] + p.done, base["failed"] + p.failed, counts.validated,
-                                     base["tokens"] + p.tokens, base["requests"] + p.requests,
-                                     time.perf_counter() - t0))
-
-        def after(step: PrefillStep) -> None:
-            counts.add(step.counts)
-            base["answered"] += len(step.to_validate)
-            base["failed"] += step.counts.failed
-            base["tokens"] += step.counts.tokens
-            base["requests"] += step.counts.requests
+        def progress(live: dict[str, int], *, force: bool = False) -> None:
+            now = time.perf_counter()
+            if on_progress is None or (now - last[0] < 0.5 and not force):
+                return
+            last[0] = now
+            on_progress(Progress(
+                total=len(prepared.samples), done_before=done_before,
+                answered=base["answered"] + live["answered"], failed=base["failed"] + live["failed"],
+                validated=done_before + phases.validate.amount,
+                tokens=base["tokens"] + live["tokens"],
+                generated_tokens=phases.regenerate.amount, regenerated=base["regenerated"] + live["regenerated"],
+                requests=counts.requests, elapsed_s=now - t0, rates=phases.rates()))
 
         pool = pool or make_pool(ext)
-        with pool, cf.ThreadPoolExecutor(1, thread_name_prefix="validate") as validator:
-            phases["launch"] = time.perf_counter() - t0 - phases["prepare"]
-            ctx = connect(ext, pool, transport=transport)
-            phases["connect"] = time.perf_counter() - t0 - phases["prepare"] - phases["launch"]
-            requeue: list[Sample] = []
-            running: cf.Future | None = None
-
-            def collect() -> None:
-                if running is not None:
-                    v = running.result()
-                    counts.add(v.counts)
-                    requeue.extend(v.requeue)
-                    report_progress()
-
-            for batch in batches:
-                if params.regeneration.enabled:
-                    batch, c = regenerate_batch(ext, ctx, batch)
-                    counts.add(c)
-                step = prefill_batch(ext, ctx, batch, on_progress=report_progress)
-                after(step)
-                collect()
-                running = validator.submit(validate_step, ext, ctx, step.to_validate)
-            collect()
-            if requeue:
-                step = prefill_batch(ext, ctx, requeue, on_progress=report_progress)
-                after(step)
-                v = validate_step(ext, ctx, step.to_validate, allow_requeue=False)
-                counts.add(v.counts)
-                report_progress()
+        try:
+            t1 = time.perf_counter()
+            step(start_servers, pool)
+            stages["launch"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            ctx: RunContext = step(connect, ext, pool, transport=transport)
+            stages["connect"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            requeue, todo = [], pending
+            for round_ in range(params.max_relaunch_rounds + 1):
+                r: RoundResult = step(stream, ext, ctx, todo, phases=phases, on_progress=progress)
+                counts.add(r.counts)
+                requeue += r.requeue
+                for k in base:
+                    base[k] += r.live[k]
+                todo = r.retry
+                if not todo or round_ == params.max_relaunch_rounds or pool.revive() == 0:
+                    break
+            _give_up(counts, todo)
+            if requeue:  # invalid shards, once more
+                r = step(stream, ext, ctx, requeue, phases=phases, on_progress=progress, allow_requeue=False)
+                counts.add(r.counts)
+                for k in base:
+                    base[k] += r.live[k]
+                _give_up(counts, r.retry)
+            stages["stream"] = time.perf_counter() - t1
+            progress({"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}, force=True)
             relaunches, launched = pool.relaunches, pool.launched
-    return write_report(ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
-                        servers_launched=launched, phases=phases)
+        finally:
+            step(stop_servers, pool)
+    stages.update({"regenerate": phases.regenerate.seconds, "prefill": phases.prefill.seconds,
+                   "validate": phases.validate.seconds})
+    return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
+                servers_launched=launched, phases=stages, rates=phases.rates())
 
 
-__all__ = [
-    "Progress", "RunContext", "Skipped", "connect", "launch_specs", "make_pool", "open_extraction", "plan",
-    "prefill_batch", "prepare", "regenerate_batch", "run_extraction", "validate_step",
-]
+def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:
+    """Samples still failing retryably after the last round: reported, left pending for a re-run."""
+    counts.failed += len(retry)
+    counts.problems += [_problem(s.sample_id, "prefill", "server_unavailable",
+                                 "servers failed and the relaunch rounds are spent; re-run to resume") for s in retry]
+
+
+__all__ = ["Progress", "RunContext", "connect", "direct", "make_pool", "run_extraction", "stream", "validate_step"]
