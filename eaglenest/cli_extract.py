@@ -118,8 +118,9 @@ def _run(params) -> dict:
             gen = (f"regen {p.regenerated} ({r.get('generated_tok_per_s', 0):,.0f} gen tok/s)  "
                    if p.generated_tokens or p.regenerated else "")
             info = (f"{gen}captured {p.answered} ({r.get('prefill_tok_per_s', 0):,.0f} tok/s)  "
-                    f"validated/s {r.get('validated_per_s', 0):,.1f}  failed {p.failed}")
-            bar.update(task, total=p.total, completed=p.validated, info=info)
+                    f"validated {p.validated} ({r.get('validated_per_s', 0):,.1f}/s)  skipped {p.skipped}  "
+                    f"failed {p.failed}")
+            bar.update(task, total=p.total, completed=p.validated + p.skipped + p.failed, info=info)
 
         return run_extraction(params, on_progress=on_progress)
 

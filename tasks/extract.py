@@ -89,7 +89,8 @@ def _rates_text(p: Progress) -> str:
     return (f"validated {p.validated} of {p.total} (done before this run: {p.done_before}); "
             f"regenerated {p.regenerated} ({p.generated_tokens:,} tokens, {r.get('generated_tok_per_s', 0):,.0f} "
             f"tok/s); captured {p.answered} ({p.tokens:,} tokens, {r.get('prefill_tok_per_s', 0):,.0f} tok/s); "
-            f"validating {r.get('validated_per_s', 0):,.1f}/s; failed {p.failed}; {p.elapsed_s:,.0f} s")
+            f"validating {r.get('validated_per_s', 0):,.1f}/s; skipped {p.skipped}; failed {p.failed}; "
+            f"{p.elapsed_s:,.0f} s")
 
 
 class ProgressReporter:
@@ -103,16 +104,18 @@ class ProgressReporter:
 
     def __call__(self, p: Progress) -> None:
         now = time.monotonic()
-        final = p.validated + p.failed >= p.total
+        settled = p.validated + p.failed + p.skipped
+        final = settled >= p.total
         with self._lock:
             if now - self._last < self.every_s and not final:
                 return
             self._last = now
         with contextlib.suppress(Exception):  # progress must never fail the extraction
-            share = min(100.0, 100.0 * p.validated / max(1, p.total))
+            share = min(100.0, 100.0 * settled / max(1, p.total))
             if self.id is None:
                 self.id = create_progress_artifact(share, key=artifact_key(self.extraction_id, "progress"),
-                                                   description=f"samples validated (extraction {self.extraction_id})")
+                                                   description=f"samples validated, skipped or failed "
+                                                               f"(extraction {self.extraction_id})")
             else:
                 update_progress_artifact(self.id, share)
             create_markdown_artifact(_rates_text(p), key=artifact_key(self.extraction_id, "rates"),

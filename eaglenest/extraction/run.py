@@ -77,11 +77,14 @@ class Progress:
     total: int
     """Samples of the extraction (done before this run included)."""
     done_before: int
+    """Samples settled before this run (validated, or skipped by an earlier regeneration)."""
     answered: int
     """Capture answers this run (shards written)."""
     failed: int
+    skipped: int
+    """Skipped this run (a regenerated answer cut or empty, a sample over the server's limit)."""
     validated: int
-    """Validated in total (done before this run + this run)."""
+    """Settled before this run + validated this run (so a resumed run does not show 0)."""
     tokens: int
     """Prompt tokens prefilled with capture this run."""
     generated_tokens: int
@@ -250,7 +253,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     c = res.counts
     dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
     regen = ext.params.regeneration.enabled
-    live = res.live = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}
+    live = res.live = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
     validator = Validator(ext, ctx, phases.validate, chunk=ext.params.batch_size, allow_requeue=allow_requeue)
     answers_log = JsonlLog(ext.path(ANSWERS)) if regen else None
     regen_log = JsonlLog(ext.path(REGENERATED)) if regen else None
@@ -263,6 +266,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     def capture(s: Sample, priority: int) -> list[Job]:
         if s.num_tokens > ctx.max_prompt_tokens:
             c.skipped += 1
+            live["skipped"] += 1
             c.problems.append(_problem(s.sample_id, "prefill", "too_long",
                                        f"{s.num_tokens} tokens > server limit {ctx.max_prompt_tokens}"))
             return []
@@ -279,6 +283,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             return [out]
         regen_log.write([regenerated_row(out)])
         if isinstance(out, Skipped):
+            live["skipped"] += 1
             c.problems.append(_problem(out.sample_id, "regenerate", out.kind, out.reason))
             return []
         c.regenerated += 1
@@ -393,7 +398,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
     relaunches = launched = 0
     done_before = len(prepared.samples) - len(pending)
     if pending:
-        base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}
+        base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
         last = [0.0]
 
         def progress(live: dict[str, int], *, force: bool = False) -> None:
@@ -404,6 +409,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             on_progress(Progress(
                 total=len(prepared.samples), done_before=done_before,
                 answered=base["answered"] + live["answered"], failed=base["failed"] + live["failed"],
+                skipped=base["skipped"] + live["skipped"],
                 validated=done_before + phases.validate.amount,
                 tokens=base["tokens"] + live["tokens"],
                 generated_tokens=phases.regenerate.amount, regenerated=base["regenerated"] + live["regenerated"],
@@ -436,7 +442,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                     base[k] += r.live[k]
                 _give_up(counts, r.retry)
             stages["stream"] = time.perf_counter() - t1
-            progress({"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0}, force=True)
+            progress(dict.fromkeys(base, 0), force=True)
             relaunches, launched = pool.relaunches, pool.launched
         finally:
             step(stop_servers, pool)
