@@ -133,13 +133,16 @@ class Regenerator:
 
     def answered(self, state: Any, body: dict[str, Any]) -> Outcome:
         """Use the engine's answer to a request of ours (``state`` is its ``Job.payload``); returns the next
-        request, the sample, or a skip. A body without text raises ValueError (a contract violation)."""
+        request, the sample, or a skip. A body without text, or an aborted generation, raises ValueError
+        (a terminal failure of the sample, reported; nothing is persisted for it)."""
         st: _State = state
         if not isinstance(body.get("text"), str):
             raise ValueError("generation answer has no text")
         meta = body.get("meta_info") or {}
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
         kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind == "abort":  # the engine refused or dropped the request: a failure to report, not an answer
+            raise ValueError(f"generation aborted by the engine: {finish.get('message') or finish}")
         ids = body.get("output_ids")
         if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
             ids = list(ids)
