@@ -194,7 +194,7 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 
 
 # ------------------------------------------------------------------------------ make demo
-DEMO_PROMPTS = 64
+DEMO_PROMPTS = 40
 
 
 def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> lib.PipelineParams:
