@@ -86,7 +86,7 @@ class ExtractParams(BaseModel):
     max_attempts: int = Field(4, ge=1, le=20, description="Tries per request for retryable errors.")
     backoff_s: float = Field(0.5, ge=0, le=60, description="First retry delay; doubles per attempt, with jitter.")
     max_relaunch_rounds: int = Field(2, ge=0, le=20, description=(
-        "Per batch: relaunch dead servers and resend retryable failures this many times."))
+        "Per run: relaunch dead servers and resend retryable failures this many times."))
     shard_wait_s: float = Field(30.0, ge=0, le=3600, description=(
         "How long a shard may take to appear after the answer (SGLang writes it asynchronously)."))
     launch_timeout_s: float = Field(600.0, gt=0, le=7200, description="Bound on a server becoming ready.")
