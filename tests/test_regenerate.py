@@ -87,11 +87,21 @@ def test_max_turns_limits_the_turns_regenerated(enc):
 
 
 @pytest.mark.parametrize(("reply", "kind"), [("cut", "truncated"), ("empty", "empty_answer")])
-def test_a_cut_or_empty_answer_skips_the_sample_with_its_reason(enc, reply, kind):
-    bad = answer(enc, "la la la", finish="length") if reply == "cut" else answer(enc, "  ")
-    out, _ = drive(Regenerator(enc, RegenConfig(max_new_tokens=8), 4096),
-                   sample_of(enc, conversation("q?", "x", "r?", "y")), [answer(enc, "Fine."), bad])
-    assert isinstance(out, Skipped) and out.kind == kind and "turn 1" in out.reason
+def test_a_cut_or_empty_answer_is_never_trained_on(enc, reply, kind):
+    def bad():
+        return answer(enc, "la la la", finish="length") if reply == "cut" else answer(enc, "  ")
+
+    msgs = conversation("q?", "x", "r?", "y", "s?", "z")
+    # the first answer: the sample is skipped with the reason
+    out, _ = drive(Regenerator(enc, RegenConfig(max_new_tokens=8), 4096), sample_of(enc, msgs), [bad()])
+    assert isinstance(out, Skipped) and out.kind == kind and "turn 0" in out.reason
+    # a later answer: it and the turns after it are dropped, the complete turns before it are the sample
+    regen = Regenerator(enc, RegenConfig(max_new_tokens=8), 4096)
+    out, jobs = drive(regen, sample_of(enc, msgs), [answer(enc, "Fine."), bad()])
+    assert isinstance(out, Sample) and len(jobs) == 2 and out.meta == {"regen_turns": 1, "dropped_turns": 2,
+                                                                      "cut": kind}
+    assert [m.content for m in out.messages] == ["q?", "Fine."] and len(out.loss_spans) == 1
+    assert regen.stats.turns_cut == 1
 
 
 def test_a_later_turn_beyond_the_token_cap_is_dropped_and_a_first_one_skips(enc):

@@ -29,7 +29,7 @@ class DataRecipe(BaseModel):
     name: RecipeName
     regenerate: bool = Field(description="The target answers every user turn itself (in context).")
     temperature: float = Field(0.0, description="0 = greedy; > 0 samples with a per-sample, per-turn seed.")
-    max_new_tokens: int = Field(512, description="Most tokens per answer; an answer cut there is skipped.")
+    max_new_tokens: int = Field(512, description="Most tokens per answer; an answer cut there is never trained on.")
     max_turns: int | None = Field(None, description="Assistant turns kept per conversation (None = all).")
     max_tokens: int | None = Field(2048, description="Token cap per conversation (longer ones are skipped).")
 

@@ -14,10 +14,11 @@ the finished :class:`Sample`, or a :class:`Skipped` decision. Every answer is ha
 (to persist it) before it is used, and answers given back through ``answers`` are replayed without a
 request: a resumed run never asks for an answer it already has.
 
-Invariants: a turn is generated only if prompt + ``min_new_tokens`` fits the token limit (a later turn
-that does not fit, or whose answer the limit cut, is dropped with the rest, counted in
-``meta['dropped_turns']``; a first turn that does not fit skips the sample as too_long); an answer cut
-by ``max_new_tokens`` or an empty answer skips the sample (kinds ``truncated`` / ``empty_answer``);
+Invariants: a turn is generated only if prompt + ``min_new_tokens`` fits the token limit; a first answer
+cut by ``max_new_tokens`` or by the limit, or empty, skips the sample (kinds ``truncated`` /
+``too_long`` / ``empty_answer``); a later turn that does not fit, or whose answer is cut or empty, is
+dropped with the rest of the conversation (``meta['dropped_turns']``, ``meta['cut']``): a cut answer is
+never trained on;
 sampled generation uses a per-sample, per-turn seed, so a re-run asks for the same thing.
 """
 
@@ -79,6 +80,8 @@ class _State:
     i: int = 0
     turn: int = 0
     dropped: int = 0
+    cut: str | None = None
+    """Why the turns from ``turn`` on were dropped (truncated | empty_answer | too_long), if an answer was cut."""
     ids: list[int] = field(default_factory=list)
     """Token ids so far: rendered template text tokenized piecewise + the target's own answer ids."""
     text: str = ""
@@ -110,6 +113,8 @@ class RegenStats:
     generated_tokens: int = 0
     samples: int = 0
     skipped: int = 0
+    turns_cut: int = 0
+    """Later turns whose answer was cut or empty: dropped with the rest of their conversation."""
 
 
 class Regenerator:
@@ -235,15 +240,23 @@ class Regenerator:
         """Splice one answer (its ids as generated, minus the stop token) and the turn's end."""
         text, delta, budget = st.pending
         content = ans.text
+        problem = None
         if ans.finish == "length":
-            if budget < self.config.max_new_tokens:  # the token limit cut it, not max_new_tokens
-                if st.turn == 0:
-                    raise SampleError(f"the first answer reached the token limit {self.max_tokens}", "too_long")
-                self._drop_rest(st)
-                return
-            raise SampleError(f"answer to turn {st.turn} was cut at max_new_tokens={budget}", "truncated")
-        if not content.strip():
-            raise SampleError(f"the target's answer to turn {st.turn} is empty", "empty_answer")
+            limit = budget < self.config.max_new_tokens  # the token limit cut it, not max_new_tokens
+            problem = SampleError(f"the answer to turn {st.turn} reached the token limit {self.max_tokens}",
+                                  "too_long") if limit else SampleError(
+                f"the answer to turn {st.turn} was cut at max_new_tokens={budget}", "truncated")
+        elif not content.strip():
+            problem = SampleError(f"the target's answer to turn {st.turn} is empty", "empty_answer")
+        if problem is not None:
+            if st.turn == 0:
+                raise problem
+            # a cut or empty later answer is never trained on; the complete turns before it still are (skipping
+            # the whole conversation threw away most multi-turn data: long conversations loop somewhere)
+            self._drop_rest(st)
+            st.cut = problem.kind
+            self.stats.turns_cut += 1
+            return
         ids = ans.output_ids if ans.output_ids is not None else self._tokens(content)  # text only: re-tokenized
         st.out.append(Message("assistant", content))
         full = self.encoder.render(st.out)
@@ -268,6 +281,6 @@ class Regenerator:
             return self._skip(st, SampleError(f"{len(st.ids)} tokens after regeneration > limit {self.max_tokens}",
                                               "too_long"))
         self.stats.samples += 1
-        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped}
+        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped, **({"cut": st.cut} if st.cut else {})}
         return st.sample.with_ids(st.ids, st.spans, messages=tuple(st.out[: st.rendered]), regenerated=True,
                                   meta=meta)

@@ -353,6 +353,8 @@ class Counts:
     """Tokens the target generated this run (regeneration)."""
     replayed_answers: int = 0
     """Answers persisted by an earlier run and reused without a request."""
+    turns_cut: int = 0
+    """Later turns whose answer was cut or empty (dropped with the rest of their conversation)."""
     prefill_s: float = 0.0
     """Seconds from the first capture request to the last capture answer (overlaps regeneration)."""
     validate_s: float = 0.0

@@ -313,5 +313,6 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     if regenerator is not None:
         c.generated_tokens = regenerator.stats.generated_tokens
         c.replayed_answers = regenerator.stats.replayed
+        c.turns_cut = regenerator.stats.turns_cut
     c.prefill_s = phases.prefill.seconds
     return res
