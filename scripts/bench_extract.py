@@ -30,9 +30,9 @@ from pathlib import Path
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.loadgen import send_all
 from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
-from eaglenest.extract import open_extraction, prepare
-from eaglenest.extract_config import ExtractParams
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction, prepare
 
 
 def reset(ext_dir: Path) -> None:
@@ -58,7 +58,8 @@ def main() -> None:
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    params = ExtractParams(source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
+    params = ExtractParams(recipe="capture",
+                           source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
                            dtype=a.dtype, batch_size=a.batch_size, concurrency=a.concurrency,
                            output_dir=str(work), extraction_id="bench")
     ext = open_extraction(params)

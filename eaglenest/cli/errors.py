@@ -8,8 +8,10 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 USER_ERROR_EXIT = 2
 
@@ -28,13 +30,14 @@ def _project_errors() -> tuple[type[BaseException], ...]:
     from eaglenest.engines.preflight import PreflightError
     from eaglenest.engines.sglang_compat import SGLangCompatError
     from eaglenest.engines.sglang_guards import SGLangArgsError
+    from eaglenest.extraction.state import ExtractionError
     from eaglenest.models import ModelError
     from eaglenest.packaged_data import WheelFetchError
     from eaglenest.store.layout import StoreError
 
     return (UsageError, ValidationError, ContractError, SourceError, CheckpointError, LaunchError, PreflightError,
-            SGLangCompatError, SGLangArgsError, ModelError, WheelFetchError, StoreError, FileExistsError,
-            FileNotFoundError)
+            SGLangCompatError, SGLangArgsError, ExtractionError, ModelError, WheelFetchError, StoreError,
+            FileExistsError, FileNotFoundError)
 
 
 def _validation_line(e) -> str:
@@ -70,8 +73,30 @@ def user_error_line(e: BaseException) -> str | None:
     return None
 
 
+_debug = False
+
+
 def debug_requested(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("EAGLENEST_DEBUG", "") not in ("", "0")
+    """``--debug`` on the command line (remembered for :func:`one_line`) or ``EAGLENEST_DEBUG=1``."""
+    global _debug
+    _debug = _debug or "--debug" in argv
+    return _debug or os.environ.get("EAGLENEST_DEBUG", "") not in ("", "0")
+
+
+def one_line(command: Callable) -> Callable:
+    """Wrap a command: a user error becomes one line on stderr and exit code 2 (unless debugging)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Exception as e:
+            code = report(e, debug=debug_requested([]), prog="eaglenest")
+            if code is None:
+                raise
+            raise SystemExit(code) from None
+
+    return wrapper
 
 
 def report(e: BaseException, *, debug: bool, prog: str) -> int | None:

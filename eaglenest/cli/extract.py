@@ -1,7 +1,7 @@
 """``eaglenest extract``: run an extraction from the command line (no Prefect), with rich progress.
 
-Thin: options are generated from :class:`~eaglenest.extract_config.ExtractParams` (or read from
-``--params FILE``), then :func:`~eaglenest.extract_run.run_extraction` runs with progress and a summary.
+Thin: options are generated from :class:`~eaglenest.extraction.config.ExtractParams` (or read from
+``--params FILE``), then :func:`~eaglenest.extraction.run.run_extraction` runs with progress and a summary.
 Exit code 0 when the extraction is complete, 1 when samples remain pending (re-run the same command to
 resume), 2 on a user error. SIGTERM is turned into a normal exit so launched servers are stopped.
 """
@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from eaglenest.cli.options import model_command
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 
 app = typer.Typer(add_completion=False, help="Extract hidden states: prompts -> capture servers -> validated shards.")
 
@@ -43,6 +43,9 @@ def extract(
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: launched servers are stopped
     try:
         report = _run(params)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted: what was validated is kept; re-run the same command to resume", err=True)
+        raise typer.Exit(130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     if as_json:
@@ -56,7 +59,7 @@ def _run(params) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from eaglenest.extract_run import run_extraction
+    from eaglenest.extraction.run import run_extraction
 
     columns = (TextColumn("[bold]extract[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
@@ -64,9 +67,13 @@ def _run(params) -> dict:
         task = bar.add_task("extract", total=None, info="preparing samples")
 
         def on_progress(p) -> None:
-            rate = p.tokens / p.elapsed_s if p.elapsed_s else 0.0
-            info = f"validated {p.validated}  failed {p.failed}  {p.tokens:,} tok  {rate:,.0f} tok/s"
-            bar.update(task, total=p.total, completed=p.answered + p.failed, info=info)
+            r = p.rates
+            gen = (f"regen {p.regenerated} ({r.get('generated_tok_per_s', 0):,.0f} gen tok/s)  "
+                   if p.generated_tokens or p.regenerated else "")
+            info = (f"{gen}captured {p.answered} ({r.get('prefill_tok_per_s', 0):,.0f} tok/s)  "
+                    f"validated {p.validated} ({r.get('validated_per_s', 0):,.1f}/s)  skipped {p.skipped}  "
+                    f"failed {p.failed}")
+            bar.update(task, total=p.total, completed=p.validated + p.skipped + p.failed, info=info)
 
         return run_extraction(params, on_progress=on_progress)
 
@@ -83,6 +90,9 @@ def _summary(report: dict) -> None:
                  ("invalid / failed", f"{r['invalid']} / {r['failed']}"),
                  ("requests / retries", f"{r['requests']} / {r['retries']}"),
                  ("tokens / tok/s", f"{r['tokens']:,} / {r['tok_per_s']:,}"),
+                 ("generated tokens", f"{r['generated_tokens']:,}"),
+                 ("phases (s)", ", ".join(f"{k} {v:g}" for k, v in r["phases_s"].items())),
+                 ("rates", ", ".join(f"{k} {v:,}" for k, v in r["rates"].items())),
                  ("bytes done", f"{report['bytes_done']:,}")]:
         table.add_row(k, str(v))
     Console(stderr=True).print(table)

@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     try:
         app(args=args, prog_name="eaglenest")  # usage errors: click prints them and exits 2 itself
+    except SystemExit as e:  # click ends every command with one (0 on success)
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     except Exception as e:
         code = errors.report(e, debug=debug, prog="eaglenest")
         if code is None:

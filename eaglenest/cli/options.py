@@ -26,7 +26,7 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from eaglenest.cli.errors import UsageError
+from eaglenest.cli.errors import UsageError, one_line
 
 
 def parse_ids(text: str | None) -> list[int] | None:
@@ -173,6 +173,7 @@ def model_command(model: type[BaseModel], *, names: Mapping[str, str] = {}, skip
         own_names = {p.name for p in own}
 
         @functools.wraps(f)
+        @one_line
         def command(ctx: typer.Context, **kw: Any) -> Any:
             data = read_params_file(kw.pop("params_file", None))
             rest = {k: kw.pop(k) for k in list(kw) if k in own_names}

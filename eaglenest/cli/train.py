@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from eaglenest.cli.errors import UsageError
+from eaglenest.cli.errors import UsageError, one_line
 from eaglenest.cli.options import model_command
 from eaglenest.drafter.config import TrainConfig
 
@@ -64,6 +64,7 @@ def train_command(
 
 
 @app.command("export")
+@one_line
 def export_command(
     run: Annotated[Path, typer.Argument(help="run folder (its latest checkpoint) or a checkpoint folder")],
     out: Annotated[Path, typer.Argument(help="export folder to create")],

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from eaglenest.contract import Provenance, Shard, write_shard
-from eaglenest.ledger import Ledger, LedgerEntry
+from eaglenest.extraction.ledger import Ledger, LedgerEntry
 from eaglenest.store.reader import StoreSample
 
 

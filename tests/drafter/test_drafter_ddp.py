@@ -14,7 +14,7 @@ from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.train import train
 from eaglenest.engines.pool import free_port
-from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans
+from eaglenest.extraction.ledger import Ledger, LedgerEntry, mask_to_spans
 from eaglenest.store import ExtractionStore
 
 

@@ -16,8 +16,8 @@ from eaglenest import contract
 from eaglenest.engines.pool import LaunchError, LaunchSpec, ServerPool, ServerProcess, embedded_command
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.engines.runtime import Captured
-from eaglenest.extract import open_extraction
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import assert_complete_and_exact, ledger_ids, with_
 
 
