@@ -2,13 +2,13 @@
 replay of persisted answers (no request for an answer already given)."""
 
 import pytest
-from tests.data.test_data_chat import SMOLLM2_TEMPLATE, with_template
 
 from eaglenest.data import ChatEncoder, Message, Record, build_samples
 from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.prefill import Job
 from eaglenest.extraction.regenerate import RegenConfig, Regenerator, TurnAnswer
+from tests.data.test_data_chat import SMOLLM2_TEMPLATE, with_template
 
 
 @pytest.fixture(scope="module")
