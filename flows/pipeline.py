@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         summary = pipeline(_params(a) if a.params or not a.demo else demo_params(a.out, a.prompts))
     except Exception as e:
-        code = errors.report(e, debug=a.debug or errors.debug_requested([]), prog="flows.pipeline")
+        code = errors.report(e, debug=errors.debug_requested(["--debug"] if a.debug else []), prog="flows.pipeline")
         if code is None:
             raise
         return code

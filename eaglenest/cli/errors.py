@@ -76,10 +76,12 @@ def user_error_line(e: BaseException) -> str | None:
 _debug = False
 
 
-def debug_requested(argv: list[str]) -> bool:
-    """``--debug`` on the command line (remembered for :func:`one_line`) or ``EAGLENEST_DEBUG=1``."""
+def debug_requested(argv: list[str] | None = None) -> bool:
+    """``--debug`` on this command line (``argv`` given: remembered for :func:`one_line` until the next one)
+    or ``EAGLENEST_DEBUG=1``."""
     global _debug
-    _debug = _debug or "--debug" in argv
+    if argv is not None:
+        _debug = "--debug" in argv
     return _debug or os.environ.get("EAGLENEST_DEBUG", "") not in ("", "0")
 
 
@@ -91,7 +93,7 @@ def one_line(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except Exception as e:
-            code = report(e, debug=debug_requested([]), prog="eaglenest")
+            code = report(e, debug=debug_requested(), prog="eaglenest")
             if code is None:
                 raise
             raise SystemExit(code) from None

@@ -152,4 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
+    finally:
+        errors.debug_requested([])  # --debug holds for this command line only
     return 0

@@ -12,7 +12,7 @@ from eaglenest.cli import main
 
 CASES = {
     "missing source": (["extract", "--source", "{tmp}/missing.jsonl", "--model", "{model}"], "does not exist"),
-    "unknown protocol": (["extract", "--source", "foo://x", "--model", "{model}"], "unknown storage protocol 'foo'"),
+    "unknown protocol": (["extract", "--source", "foo://x.jsonl", "--model", "{model}"], "Protocol not known: foo"),
     "missing model": (["extract", "--model", "{tmp}/no-model"], "local Hugging Face folder"),
     "negative lr": (["train", "--store", "{tmp}/s", "--out", "{tmp}/t", "--lr", "-0.001"], "lr: Input should be"),
     "zero epochs": (["train", "--store", "{tmp}/s", "--out", "{tmp}/t", "--epochs", "0"], "epochs: Input should be"),
