@@ -23,6 +23,8 @@ def convert(
     target_file_mb: Annotated[int, typer.Option(min=1, help="target size of each data file (MiB)")] = 256,
     append: Annotated[bool, typer.Option(help="add the ledger's new samples to the store's latest version")] = False,
     rehash: Annotated[bool, typer.Option(help="sha256-check already committed files too (rebuild bad ones)")] = False,
+    partial: Annotated[bool, typer.Option(help="convert although samples are still pending (refused otherwise)")
+                       ] = False,
 ) -> None:
     """Convert an extraction's validated shards into a new (or the same, if unchanged) store version."""
     from rich.progress import Progress
@@ -35,7 +37,7 @@ def convert(
         task = bar.add_task("converting", total=None)
         try:
             summary = run(extraction_dir, url, target_file_bytes=target_file_mb << 20, append=append, rehash=rehash,
-                          progress=lambda done, total: bar.update(task, completed=done, total=total))
+                          partial=partial, progress=lambda done, total: bar.update(task, completed=done, total=total))
         except (StoreError, ContractError) as e:
             _fail(e)
     s = summary
@@ -43,6 +45,8 @@ def convert(
     typer.echo(f"store {url} version {s.version}: {s.samples} samples, {s.tokens} tokens, {s.files_total} files "
                f"({s.files_written} written, {s.files_reused} reused, {s.files_quarantined} quarantined), "
                f"{s.bytes_in / 1e6:.1f} MB converted in {s.seconds:.1f} s ({speed:.0f} MB/s)")
+    if s.pending:
+        typer.echo(f"partial: {s.pending} pending samples of the extraction are not in this version", err=True)
 
 
 @app.command()
@@ -50,15 +54,17 @@ def verify(
     url: Annotated[str, typer.Argument(help="store URL")],
     version: Annotated[str | None, typer.Option(help="version id (default: latest)")] = None,
 ) -> None:
-    """Check sizes, sha256 and index <-> data consistency; exit 1 and name each bad file on problems."""
+    """Check sizes, sha256 and index <-> data consistency; exit 1 and name each bad file on problems.
+
+    Exit 0: every file checks out. Exit 1: one `PROBLEM ...` line per damaged file (missing, truncated,
+    changed bytes, index disagreeing). Exit 2: no store at the URL, or a store this eaglenest cannot read."""
     from eaglenest.contract import ContractError
-    from eaglenest.store import StoreError, open_store
+    from eaglenest.store import StoreError, verify_store
 
     try:
-        store = open_store(url, version=version)
+        store, problems = verify_store(url, version=version)
     except (StoreError, ContractError) as e:
         _fail(e)
-    problems = store.verify()
     for p in problems:
         typer.echo(f"PROBLEM {p}")
     if problems:

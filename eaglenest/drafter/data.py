@@ -37,12 +37,15 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the checkout
 __all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "split_indices"]
 
 
-def open_store(url: str):
-    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place."""
+def open_store(url: str, *, check_sha256: bool = True):
+    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place.
+
+    check_sha256: an Arrow store sha256-checks each data file on its first read (extraction folders check
+    every shard against the ledger anyway)."""
     path = Path(str(url).removeprefix("file://"))
     if (path / "ledger.jsonl").is_file() or open_arrow_store is None:
         return fallback_store.open_store(path)
-    return open_arrow_store(str(url))
+    return open_arrow_store(str(url), check_sha256=check_sha256)
 
 
 def held_out(sample_id: str, fraction: float) -> bool:

@@ -184,7 +184,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     run_dir = Path(config.out_dir)
-    store = store if store is not None else open_store(config.store)
+    store = store if store is not None else open_store(config.store, check_sha256=config.check_store_sha256)
     target_dir = model_lib.resolve_model(config.target)
     check_store_target(store.provenance, target_dir)
     train_idx, eval_idx = split_indices(store.sample_ids, config.eval_fraction, max_eval=config.eval_max_samples)

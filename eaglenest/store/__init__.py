@@ -38,7 +38,7 @@ from eaglenest.store.layout import (
     StoreError,
     StoreNotFound,
 )
-from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
+from eaglenest.store.reader import Store, StoreSample, list_versions, open_store, verify_store
 from eaglenest.store.sampler import LengthBucketSampler, StoreDataset, split_indices
 
 __all__ = [
@@ -58,4 +58,5 @@ __all__ = [
     "list_versions",
     "open_store",
     "split_indices",
+    "verify_store",
 ]

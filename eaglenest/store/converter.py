@@ -2,6 +2,8 @@
 
 Owns planning, writing and committing store versions. Invariants:
 
+- An extraction with samples still pending (its ``report.json`` counts them) is refused unless the caller
+  asks for a partial store (``partial=True``): a store never silently holds half a run.
 - Only ledger entries are converted, each shard checked against the ledger's sha256 and the capture
   contract (see :mod:`eaglenest.store.shards`); mixed provenance or schema versions are refused before
   anything is written. The store records the first shard's provenance.
@@ -62,6 +64,8 @@ class ConvertSummary:
     """Data bytes of the whole version (written + reused)."""
     seconds: float
     already_complete: bool
+    pending: int = 0
+    """Samples of the extraction left out because they are still pending (only with ``partial=True``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +159,27 @@ def _reusable(fs, root: str, pf: _Planned, sizes: dict[str, int], trusted: dict 
     return None
 
 
+def pending_samples(extraction_dir: str | Path, ledger_ids: set[str]) -> tuple[int, int] | None:
+    """(pending, total) samples of an extraction, or None for a folder that is not a pipeline extraction.
+
+    The extraction's ``report.json`` (written at the end of each run) counts them; samples validated after it
+    was written (a later run killed before its report) are taken off. Without a report (the first run was
+    killed), the prepared ``samples.parquet`` minus the ledger is the count (skips included: an upper bound).
+    """
+    folder = Path(extraction_dir)
+    report = _read_json(fsspec.filesystem("file"), str(folder / "report.json"))
+    if report and isinstance(report.get("pending"), int) and isinstance(report.get("done"), int):
+        newer = max(0, len(ledger_ids) - report["done"])
+        return max(0, report["pending"] - newer), int(report.get("samples", len(ledger_ids)))
+    samples = folder / "samples.parquet"
+    if samples.is_file():
+        import pyarrow.parquet as pq
+
+        ids = set(pq.read_table(samples, columns=["sample_id"]).column("sample_id").to_pylist())
+        return len(ids - ledger_ids), len(ids)
+    return None
+
+
 def _write_manifest(fs, root: str, version: str, manifest: dict) -> None:
     L.write_bytes(fs, L.version_path(root, version, L.MANIFEST_NAME), L.encode_manifest(manifest))
 
@@ -182,6 +207,7 @@ def convert(
     storage_options: dict | None = None,
     append: bool = False,
     rehash: bool = False,
+    partial: bool = False,
     progress: ProgressFn | None = None,
     stale_tmp_seconds: float = 3600.0,
 ) -> ConvertSummary:
@@ -189,6 +215,7 @@ def convert(
 
     append: start from the store's latest version and add the ledger's samples it lacks (same provenance).
     rehash: also sha256-check files that a committed manifest already vouches for (quarantine + rebuild).
+    partial: convert although samples of the extraction are still pending (refused otherwise, with counts).
     progress: called as ``progress(samples_done, samples_total)``.
     """
     t0 = time.perf_counter()
@@ -199,6 +226,14 @@ def convert(
     entries = list(ledger.entries().values())
     if not entries:
         raise L.ConvertInputError(f"{ledger.path}: no validated samples; run the extraction first")
+    counts = pending_samples(extraction_dir, {e.sample_id for e in entries})
+    pending = counts[0] if counts else 0
+    if pending and not partial:
+        raise L.ConvertInputError(
+            f"{extraction_dir}: {pending} of {counts[1]} samples are still pending (not captured and validated); "
+            "finish the extraction (re-run the same extract command to resume) or convert the "
+            f"{len(entries)} validated samples anyway with --partial"
+        )
     prov = check_inputs(ledger.capture_dir, entries)
     schema = L.data_schema(prov)
 
@@ -265,7 +300,7 @@ def convert(
         files_reused=len(all_records) - len(todo),
         files_quarantined=len(fs.glob(L.join(root, L.QUARANTINE_DIR, "*.reason.json"))) - quarantined,
         bytes_in=bytes_in, bytes_written=bytes_written, store_bytes=sum(r["bytes"] for r in all_records),
-        seconds=time.perf_counter() - t0, already_complete=bool(old) and not todo,
+        seconds=time.perf_counter() - t0, already_complete=bool(old) and not todo, pending=pending,
     )
 
 

@@ -5,6 +5,10 @@ Owns the read side. Invariants:
 - Only committed versions are visible: a version is its ``manifest.json``; without one, nothing.
 - Opening checks the manifest (format, schema version), the index (size, sha256, columns) and every
   data file's size: a truncated or missing file is a :class:`StoreCorrupt` at open, never partial rows.
+- Each data file's sha256 is checked against the manifest the first time this process reads it (default on;
+  ``check_sha256=False`` opts out): a byte flipped on storage after conversion fails the read naming the
+  file, so nothing trains on it. A file whose identity (inode, size, mtime) and sha256 were checked once is
+  not hashed again by later Stores of the same process.
 - Sample i is one range of one data file (offset + length from the index): locally a slice of a private
   (copy-on-write) memory map, so tensors are views of the page cache and an accidental in-place write
   never reaches the file; remotely exactly that byte range is fetched, nothing else.
@@ -18,8 +22,10 @@ import hashlib
 import json
 import mmap
 import operator
+import os
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +36,8 @@ from eaglenest.contract import Provenance, UnknownSchemaVersion
 from eaglenest.store import layout as L
 
 _WILLNEED_MIN = 1 << 20
+_CHECKED: set[tuple] = set()
+"""(file identity, sha256) of data files whose bytes matched their manifest in this process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +90,40 @@ def list_versions(url: str, *, storage_options: dict | None = None) -> list[dict
 
 
 def open_store(
-    url: str, *, verify: bool = False, storage_options: dict | None = None, version: str | None = None
+    url: str, *, verify: bool = False, check_sha256: bool = True, storage_options: dict | None = None,
+    version: str | None = None,
 ) -> Store:
     """Open the latest committed version at ``url`` (or ``version``; a ``.../versions/<id>`` URL works too).
 
     verify: also run :meth:`Store.verify` (reads every byte) and raise StoreCorrupt listing the problems.
+    check_sha256: sha256-check each data file against the manifest the first time this process reads it
+    (costs one extra pass over each file, at hashing speed; off only for stores you trust).
     """
+    store = _open(url, storage_options, version, check_sha256=check_sha256, check_sizes=True)
+    if verify:
+        problems = store.verify()
+        if problems:
+            raise L.StoreCorrupt(f"store {url} failed verification:\n  " + "\n  ".join(problems))
+    return store
+
+
+def verify_store(url: str, *, storage_options: dict | None = None, version: str | None = None,
+                 ) -> tuple[Store | None, list[str]]:
+    """What ``eaglenest store verify`` reports: (the store or None, every problem found).
+
+    Unlike :func:`open_store`, damage is reported, not raised: a missing or truncated data file is one
+    problem among the others, and a garbled manifest or index is a problem with no store to check further.
+    A URL without any committed version still raises :class:`StoreNotFound` (nothing to verify).
+    """
+    try:
+        store = _open(url, storage_options, version, check_sha256=True, check_sizes=False)
+    except L.StoreCorrupt as e:
+        return None, [str(e)]
+    return store, store.verify()
+
+
+def _open(url: str, storage_options: dict | None, version: str | None, *, check_sha256: bool,
+          check_sizes: bool) -> Store:
     fs, root = L.resolve(url, storage_options)
     parts = root.rsplit("/", 2)
     if version is None and len(parts) == 3 and parts[1] == L.VERSIONS_DIR:
@@ -106,19 +142,16 @@ def open_store(
         if not fs.exists(path):
             raise L.StoreNotFound(f"store version {version} at {url} is not committed (no {path})")
         manifest = _parse_manifest(_read(fs, path), path)
-    store = Store(url, fs, root, manifest)
-    if verify:
-        problems = store.verify()
-        if problems:
-            raise L.StoreCorrupt(f"store {url} failed verification:\n  " + "\n  ".join(problems))
-    return store
+    return Store(url, fs, root, manifest, check_sha256=check_sha256, check_sizes=check_sizes)
 
 
 class Store:
     """One committed store version. Indexable: ``store[i]`` -> :class:`StoreSample`."""
 
-    def __init__(self, url: str, fs, root: str, manifest: dict) -> None:
+    def __init__(self, url: str, fs, root: str, manifest: dict, *, check_sha256: bool = True,
+                 check_sizes: bool = True) -> None:
         self.url = url
+        self.check_sha256 = check_sha256
         self.fs = fs
         self.root = root
         self.manifest = manifest
@@ -142,7 +175,8 @@ class Store:
             len(self._file) and (self._file.min() < 0 or self._file.max() >= len(self._paths))
         ):
             raise L.StoreCorrupt(f"{index_path}: index disagrees with the manifest (sample count or file numbers)")
-        self._check_sizes()
+        if check_sizes and (problems := self._size_problems()):
+            raise L.StoreCorrupt(problems[0])
         self._maps: dict[int, tuple] = {}
         self._by_id: dict[str, int] | None = None
 
@@ -162,17 +196,45 @@ class Store:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
-    def _check_sizes(self) -> None:
+    def _size_problems(self) -> list[str]:
+        """One line per data file that is missing or whose size differs from the manifest."""
         folder = L.join(self.root, L.DATA_DIR)
         try:
             sizes = {i["name"].rstrip("/"): int(i["size"]) for i in self.fs.ls(folder, detail=True)}
         except FileNotFoundError:
             sizes = {}
+        problems = []
         for path, f in zip(self._paths, self.manifest["files"], strict=True):
             got = sizes.get(path)
             if got != f["bytes"]:
                 what = "missing" if got is None else f"{got} bytes, manifest says {f['bytes']} (truncated or replaced)"
-                raise L.StoreCorrupt(f"data file {path} is {what}; re-run `eaglenest store convert --rehash`")
+                problems.append(f"data file {path} is {what}; {self._remedy()}")
+        return problems
+
+    def _remedy(self) -> str:
+        return (f"re-run `eaglenest store convert <extraction> {self.url} --rehash` to quarantine and rebuild it "
+                f"(`eaglenest store verify {self.url}` lists every bad file)")
+
+    def _identity(self, f: int) -> tuple:
+        path = self._paths[f]
+        if self._local:
+            st = os.stat(path)
+            return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return (str(self.fs.protocol), path, self.manifest["files"][f]["bytes"])
+
+    def _check_sha256(self, f: int, data=None) -> None:
+        """Hash data file f (``data``: its mapped bytes; else streamed) unless this process already did."""
+        if not self.check_sha256:
+            return
+        want = self.manifest["files"][f]["sha256"]
+        key = (self._identity(f), want)
+        if key in _CHECKED:
+            return
+        got = hashlib.sha256(data).hexdigest() if data is not None else L.sha256_file(self.fs, self._paths[f])[1]
+        if got != want:
+            raise L.StoreCorrupt(f"data file {self._paths[f]}: sha256 {got[:16]}... differs from the manifest's "
+                                 f"{want[:16]}... (its bytes changed after conversion); {self._remedy()}")
+        _CHECKED.add(key)
 
     def get(self, sample_id: str) -> StoreSample:
         if self._by_id is None:
@@ -208,6 +270,11 @@ class Store:
         batch read in random order keeps several disk reads in flight. Remote stores: nothing to do."""
         if not self._local:
             return
+        indices = list(indices)
+        new = sorted({int(self._file[i]) for i in indices} - self._maps.keys())
+        if len(new) > 1:  # first reads of several files: map (and sha256-check) them side by side
+            with ThreadPoolExecutor(min(len(new), os.cpu_count() or 1), thread_name_prefix="store-map") as pool:
+                list(pool.map(self._mapped, new))
         for i in indices:
             f, off, ln = int(self._file[i]), int(self._offset[i]), int(self._length[i])
             mm = self._mapped(f)[0]
@@ -217,11 +284,12 @@ class Store:
 
     def _region(self, f: int, off: int, ln: int) -> tuple[torch.Tensor, int, pa.Buffer]:
         if not self._local:
-            if f not in self._maps:  # first use of this file: check its magic (two tiny range reads)
+            if f not in self._maps:  # first use of this file: check its magic (two tiny range reads), sha256
                 path = self._paths[f]
                 size = self.manifest["files"][f]["bytes"]
                 self._check_magic(f, self.fs.cat_file(path, start=0, end=6),
                                   self.fs.cat_file(path, start=size - 6, end=size))
+                self._check_sha256(f)
                 self._maps[f] = ()
             data = bytearray(self.fs.cat_file(self._paths[f], start=off, end=off + ln))
             buf = pa.py_buffer(data)
@@ -253,6 +321,7 @@ class Store:
             base = torch.frombuffer(mm, dtype=torch.uint8)
         buf = pa.py_buffer(mm)
         self._check_magic(f, bytes(mm[:6]), bytes(mm[-6:]))
+        self._check_sha256(f, mm)
         try:
             schema = pa.ipc.open_file(buf).schema
         except (pa.ArrowException, OSError) as e:
@@ -268,13 +337,11 @@ class Store:
 
     def verify(self) -> list[str]:
         """Every problem found (empty when fine): sizes, sha256, and index <-> data consistency."""
-        problems: list[str] = []
-        try:
-            self._check_sizes()
-        except L.StoreCorrupt as e:
-            problems.append(str(e))
+        problems = self._size_problems()
         rows_per_file = Counter(int(f) for f in self._file)
         for f, (path, rec) in enumerate(zip(self._paths, self.manifest["files"], strict=True)):
+            if any(p.startswith(f"data file {path} is ") for p in problems):
+                continue  # missing or truncated: already named
             try:
                 size, sha = L.sha256_file(self.fs, path)
             except FileNotFoundError:
@@ -282,8 +349,9 @@ class Store:
                 continue
             if sha != rec["sha256"] or size != rec["bytes"]:
                 problems.append(f"{path}: sha256/size mismatch with the manifest (bytes changed on storage); "
-                                "run `eaglenest store convert --rehash` to quarantine and rebuild it")
+                                f"{self._remedy()}")
                 continue
+            _CHECKED.add((self._identity(f), rec["sha256"]))  # reads below need not hash it again
             if rec["samples"] != rows_per_file[f]:
                 problems.append(f"{path}: manifest says {rec['samples']} samples, index has {rows_per_file[f]}")
             problems += self._check_file(f, path)
