@@ -38,8 +38,9 @@ from eaglenest.store.layout import (
     StoreError,
     StoreNotFound,
 )
-from eaglenest.store.reader import Store, StoreSample, list_versions, open_store, verify_store
+from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
 from eaglenest.store.sampler import LengthBucketSampler, StoreDataset, split_indices
+from eaglenest.store.verify import verify_store
 
 __all__ = [
     "DEFAULT_TARGET_FILE_BYTES",

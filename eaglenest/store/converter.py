@@ -26,8 +26,9 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import partial as partial_fn
 from pathlib import Path
 
 import fsspec
@@ -37,10 +38,17 @@ import torch
 from eaglenest.contract import Provenance, Shard
 from eaglenest.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
+from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_states
 from eaglenest.store.reader import open_store
 from eaglenest.store.shards import check_inputs, prefetch_shards
 
 DEFAULT_TARGET_FILE_BYTES = 256 << 20
+DTYPES = {
+    "bf16": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "bfloat16", "final_hidden": "bfloat16"},
+    "fp8": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "float8_e4m3fn", "final_hidden": "float8_e4m3fn",
+            "aux_scale": "float32", "final_scale": "float32"},
+}
+"""What the manifest says each column holds, per encoding."""
 ProgressFn = Callable[[int, int], None]
 
 
@@ -66,6 +74,7 @@ class ConvertSummary:
     already_complete: bool
     pending: int = 0
     """Samples of the extraction left out because they are still pending (only with ``partial=True``)."""
+    encoding: str = DEFAULT_ENCODING
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +87,8 @@ class _Planned:
 
 
 def file_key(provenance: Provenance, entries: Sequence[LedgerEntry]) -> str:
-    h = hashlib.sha256(f"{L.LAYOUT}\n{L.STORE_SCHEMA_VERSION}\n{provenance.to_json()}\n".encode())
+    layout = L.LAYOUTS[provenance.store_encoding]
+    h = hashlib.sha256(f"{layout}\n{L.STORE_SCHEMA_VERSION}\n{provenance.to_json()}\n".encode())
     for e in entries:
         h.update(json.dumps([e.sample_id, e.sha256, e.num_tokens, e.loss_spans]).encode() + b"\n")
     return h.hexdigest()[:40]
@@ -98,7 +108,18 @@ def plan_files(entries: Sequence[LedgerEntry], provenance: Provenance, target_fi
     return out
 
 
-def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator[tuple[LedgerEntry, Shard]]) -> dict:
+def sample_columns(encoding: str, entry: LedgerEntry, shard: Shard) -> list[torch.Tensor]:
+    """The data columns of one sample in ``encoding`` (the order of :func:`layout.data_schema`)."""
+    mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
+    if encoding == "bf16":
+        return [shard.input_ids, mask, shard.aux_hidden, shard.final_hidden]
+    fp8 = encode_states(shard.aux_hidden, shard.final_hidden, len(shard.provenance.aux_layer_ids),
+                        what=f"sample {entry.sample_id!r}")
+    return [shard.input_ids, mask, fp8.aux_codes, fp8.final_codes, fp8.aux_scale, fp8.final_scale]
+
+
+def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema,
+                samples: Iterator[tuple[LedgerEntry, list[torch.Tensor]]]) -> dict:
     """Write one data file, then its sidecar; returns the sidecar record."""
     path = L.join(root, L.DATA_DIR, pf.key + L.DATA_SUFFIX)
     rows = []
@@ -106,12 +127,11 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator
         writer = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=L.IPC_OPTIONS)
         pos = L.first_batch_offset(schema)
         for _ in pf.entries:
-            entry, shard = next(shards)
-            mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
-            batch = L.sample_batch(schema, shard.input_ids, mask, shard.aux_hidden, shard.final_hidden)
-            writer.write_batch(batch, custom_metadata={"sample_id": entry.sample_id})
+            entry, columns = next(samples)
+            writer.write_batch(L.sample_batch(schema, columns), custom_metadata={"sample_id": entry.sample_id})
             rows.append(dict(sample_id=entry.sample_id, offset=pos, length=sink.size - pos,
-                             num_tokens=entry.num_tokens, loss_tokens=int(mask.sum()), shard_sha256=entry.sha256))
+                             num_tokens=entry.num_tokens, loss_tokens=int(columns[1].sum()),
+                             shard_sha256=entry.sha256))
             pos = sink.size
             if L.is_local(fs):
                 sink.start_writeback()
@@ -208,6 +228,7 @@ def convert(
     append: bool = False,
     rehash: bool = False,
     partial: bool = False,
+    encoding: str = DEFAULT_ENCODING,
     progress: ProgressFn | None = None,
     stale_tmp_seconds: float = 3600.0,
 ) -> ConvertSummary:
@@ -216,11 +237,14 @@ def convert(
     append: start from the store's latest version and add the ledger's samples it lacks (same provenance).
     rehash: also sha256-check files that a committed manifest already vouches for (quarantine + rebuild).
     partial: convert although samples of the extraction are still pending (refused otherwise, with counts).
+    encoding: how the version holds the states: ``bf16`` (bit exact) or ``fp8`` (half the bytes, within the
+    error bound of :mod:`eaglenest.store.encoding`). One version holds one encoding.
     progress: called as ``progress(samples_done, samples_total)``.
     """
     t0 = time.perf_counter()
     if target_file_bytes < 1:
         raise ValueError(f"target_file_bytes must be positive, got {target_file_bytes}")
+    check_encoding(encoding)
     fs, root = L.resolve(url, storage_options)
     ledger = Ledger(extraction_dir)
     entries = list(ledger.entries().values())
@@ -234,19 +258,24 @@ def convert(
             "finish the extraction (re-run the same extract command to resume) or convert the "
             f"{len(entries)} validated samples anyway with --partial"
         )
-    prov = check_inputs(ledger.capture_dir, entries)
-    schema = L.data_schema(prov)
+    capture = check_inputs(ledger.capture_dir, entries)  # the shards' provenance (bf16 states)
+    prov = replace(capture, store_encoding=encoding)  # the store's: the capture's, plus how it is stored
 
     base_records, parent = [], None
     if append:
         try:
-            base = open_store(url, storage_options=storage_options)
+            base = open_store(url, storage_options=storage_options, check_sha256=False)  # only its index is used
         except L.StoreNotFound:
             base = None
         if base is not None:
+            if base.encoding != encoding:
+                raise L.ConvertInputError(
+                    f"store {url} holds {base.encoding} states; appending {encoding} samples would mix encodings "
+                    f"in one version: append with --encoding {base.encoding}, or convert into a new store"
+                )
             base.provenance.require_match(prov, what=f"store {url} (latest version) vs extraction {extraction_dir}")
             prov = base.provenance  # every file of a version carries the same provenance (model_path included)
-            schema = L.data_schema(prov)
+            capture = replace(prov, store_encoding="bf16")
             parent = base.manifest["version"]
             base_records = base.file_records()
             known = dict(zip(base.sample_ids, base.shard_sha256, strict=True))
@@ -258,9 +287,11 @@ def convert(
                 )
             entries = [e for e in entries if e.sample_id not in known]
 
+    schema = L.data_schema(prov)
     planned = plan_files(entries, prov, target_file_bytes)
     keys = [r["key"] for r in base_records] + [p.key for p in planned]
-    version = hashlib.sha256(json.dumps([L.LAYOUT, prov.to_json(), keys]).encode()).hexdigest()[:24]
+    layout = L.LAYOUTS[encoding]
+    version = hashlib.sha256(json.dumps([layout, prov.to_json(), keys]).encode()).hexdigest()[:24]
     old = _read_json(fs, L.version_path(root, version, L.MANIFEST_NAME))
     trusted = {f["path"]: f for f in old["files"]} if old else {}
     sizes = {p: int(info["size"]) for p, info in _ls(fs, L.join(root, L.DATA_DIR)).items()}
@@ -277,7 +308,8 @@ def convert(
 
     bytes_in = bytes_written = 0
     if todo:
-        stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], prov)
+        stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
+                                 transform=partial_fn(sample_columns, encoding))
         slot = {pf.key: j for j, pf in enumerate(planned)}
         try:
             for pf in todo:
@@ -301,6 +333,7 @@ def convert(
         files_quarantined=len(fs.glob(L.join(root, L.QUARANTINE_DIR, "*.reason.json"))) - quarantined,
         bytes_in=bytes_in, bytes_written=bytes_written, store_bytes=sum(r["bytes"] for r in all_records),
         seconds=time.perf_counter() - t0, already_complete=bool(old) and not todo, pending=pending,
+        encoding=prov.store_encoding,
     )
 
 
@@ -315,7 +348,7 @@ def _commit_version(fs, root, version, prov, records, parent, old, extraction_di
             cols["file"].append(i)
             cols["batch"].append(b)
         files.append({"path": f"{L.DATA_DIR}/{rec['key']}{L.DATA_SUFFIX}", "bytes": rec["bytes"],
-                      "sha256": rec["sha256"], "samples": len(rec["rows"]),
+                      "sha256": rec["sha256"], "samples": len(rec["rows"]), "encoding": prov.store_encoding,
                       "tokens": sum(r["num_tokens"] for r in rec["rows"])})
     if len(set(cols["sample_id"])) != len(cols["sample_id"]):
         raise L.ConvertInputError("duplicate sample ids across the version's files; this is a bug, please report")
@@ -324,14 +357,15 @@ def _commit_version(fs, root, version, prov, records, parent, old, extraction_di
     L.write_bytes(fs, L.join(root, index_rel), index)
     manifest = {
         "format": "eaglenest-store",
-        "layout": L.LAYOUT,
+        "layout": L.LAYOUTS[prov.store_encoding],
+        "encoding": prov.store_encoding,
         "schema_version": L.STORE_SCHEMA_VERSION,
         "version": version,
         "parent": parent,
         "created_at": old["created_at"] if old else datetime.now(UTC).isoformat(timespec="microseconds"),
         "extraction": Path(extraction_dir).name,
         "provenance": json.loads(prov.to_json()),
-        "dtypes": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "bfloat16", "final_hidden": "bfloat16"},
+        "dtypes": DTYPES[prov.store_encoding],
         "num_samples": len(cols["sample_id"]),
         "num_tokens": int(sum(cols["num_tokens"])),
         "loss_tokens": int(sum(cols["loss_tokens"])),

@@ -24,9 +24,7 @@ import mmap
 import operator
 import os
 import warnings
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -34,25 +32,11 @@ import torch
 
 from eaglenest.contract import Provenance, UnknownSchemaVersion
 from eaglenest.store import layout as L
+from eaglenest.store.encoding import Fp8States, StoreSample
 
 _WILLNEED_MIN = 1 << 20
 _CHECKED: set[tuple] = set()
 """(file identity, sha256) of data files whose bytes matched their manifest in this process."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSample:
-    """One sample. Tensors are views of the stored bytes where the store is local."""
-
-    sample_id: str
-    input_ids: torch.Tensor  # [T] int32
-    loss_mask: torch.Tensor  # [T] bool
-    aux_hidden: torch.Tensor  # [T, k*H] bf16
-    final_hidden: torch.Tensor  # [T, H] bf16
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def _read(fs, path: str) -> bytes:
@@ -69,10 +53,13 @@ def _parse_manifest(data: bytes, where: str) -> dict:
         raise L.StoreCorrupt(f"{where}: garbage manifest ({e}); re-run `eaglenest store convert`") from None
     if not isinstance(m, dict) or m.get("format") != "eaglenest-store":
         raise L.StoreCorrupt(f"{where}: not an eaglenest store manifest")
-    if m.get("schema_version") != L.STORE_SCHEMA_VERSION or m.get("layout") != L.LAYOUT:
+    encoding = m.setdefault("encoding", "bf16")  # manifests from before encodings are bf16
+    if m.get("schema_version") != L.STORE_SCHEMA_VERSION or L.LAYOUTS.get(encoding) != m.get("layout"):
+        known = ", ".join(f"{lay} ({enc})" for enc, lay in L.LAYOUTS.items())
         raise UnknownSchemaVersion(
-            f"{where}: store schema_version {m.get('schema_version')!r} / layout {m.get('layout')!r} is not "
-            f"supported (this eaglenest reads {L.STORE_SCHEMA_VERSION} / {L.LAYOUT}); upgrade eaglenest or re-convert"
+            f"{where}: store schema_version {m.get('schema_version')!r} / layout {m.get('layout')!r} / encoding "
+            f"{encoding!r} is not supported (this eaglenest reads {L.STORE_SCHEMA_VERSION} / {known}); "
+            "upgrade eaglenest or re-convert"
         )
     missing = {"version", "created_at", "provenance", "index", "files", "num_samples"} - set(m)
     if missing:
@@ -105,21 +92,6 @@ def open_store(
         if problems:
             raise L.StoreCorrupt(f"store {url} failed verification:\n  " + "\n  ".join(problems))
     return store
-
-
-def verify_store(url: str, *, storage_options: dict | None = None, version: str | None = None,
-                 ) -> tuple[Store | None, list[str]]:
-    """What ``eaglenest store verify`` reports: (the store or None, every problem found).
-
-    Unlike :func:`open_store`, damage is reported, not raised: a missing or truncated data file is one
-    problem among the others, and a garbled manifest or index is a problem with no store to check further.
-    A URL without any committed version still raises :class:`StoreNotFound` (nothing to verify).
-    """
-    try:
-        store = _open(url, storage_options, version, check_sha256=True, check_sizes=False)
-    except L.StoreCorrupt as e:
-        return None, [str(e)]
-    return store, store.verify()
 
 
 def _open(url: str, storage_options: dict | None, version: str | None, *, check_sha256: bool,
@@ -155,7 +127,9 @@ class Store:
         self.fs = fs
         self.root = root
         self.manifest = manifest
+        self.encoding: str = manifest["encoding"]
         self.provenance = Provenance.from_json(manifest["provenance"])
+        self._check_encodings()
         self._schema = L.data_schema(self.provenance)
         self._local = L.is_local(fs)
         self._paths = [L.join(root, f["path"]) for f in manifest["files"]]
@@ -195,6 +169,21 @@ class Store:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+    def _check_encodings(self) -> None:
+        """One version holds one encoding: its provenance and every file record must say the manifest's."""
+        where = L.version_path(self.root, self.manifest["version"], L.MANIFEST_NAME)
+        if self.provenance.store_encoding != self.encoding:
+            raise L.StoreCorrupt(f"{where}: encoding {self.encoding!r} but its provenance says "
+                                 f"{self.provenance.store_encoding!r}; re-convert the extraction")
+        other = [f"{f['path']} ({f.get('encoding', 'bf16')})" for f in self.manifest["files"]
+                 if f.get("encoding", "bf16") != self.encoding]
+        if other:
+            raise L.StoreCorrupt(
+                f"{where}: mixed encodings in one version: the version is {self.encoding} but lists "
+                f"{', '.join(other[:3])}{' ...' if len(other) > 3 else ''}; a version holds one encoding: convert "
+                "the extraction again into a fresh store with one --encoding"
+            )
 
     def _size_problems(self) -> list[str]:
         """One line per data file that is missing or whose size differs from the manifest."""
@@ -236,6 +225,10 @@ class Store:
                                  f"{want[:16]}... (its bytes changed after conversion); {self._remedy()}")
         _CHECKED.add(key)
 
+    def _remember_checked(self, f: int) -> None:
+        """Data file f was just hashed and matched its manifest: its first read need not hash it again."""
+        _CHECKED.add((self._identity(f), self.manifest["files"][f]["sha256"]))
+
     def get(self, sample_id: str) -> StoreSample:
         if self._by_id is None:
             self._by_id = {s: i for i, s in enumerate(self.sample_ids)}
@@ -257,13 +250,16 @@ class Store:
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(msg_buf), self._schema)
             if batch.num_rows != self.num_tokens[i]:
                 raise ValueError(f"{batch.num_rows} rows, index says {self.num_tokens[i]}")
-            ids, mask, aux, final = L.batch_tensors(batch, base, base_addr)
+            c = L.batch_tensors(batch, base, base_addr)
         except (pa.ArrowException, ValueError, OSError) as e:
             raise L.StoreCorrupt(
                 f"{self._paths[f]}: sample {self.sample_ids[i]!r} (bytes {off}..{off + ln}) is unreadable ({e}); "
                 "run `eaglenest store verify` and re-convert"
             ) from None
-        return StoreSample(self.sample_ids[i], ids, mask, aux, final)
+        if self.encoding == "fp8":
+            return StoreSample(self.sample_ids[i], c["input_ids"], c["loss_mask"],
+                               fp8=Fp8States(c["aux_hidden"], c["aux_scale"], c["final_hidden"], c["final_scale"]))
+        return StoreSample(self.sample_ids[i], c["input_ids"], c["loss_mask"], c["aux_hidden"], c["final_hidden"])
 
     def prefetch(self, indices) -> None:
         """Local stores: start reading these samples' bytes in the background (MADV_WILLNEED), so that a
@@ -329,6 +325,10 @@ class Store:
                 f"{path}: not a readable Arrow IPC file ({e}); re-run `eaglenest store convert --rehash`"
             ) from None
         if not schema.equals(self._schema, check_metadata=True):
+            if (enc := L.schema_encoding(schema)) != self.encoding:
+                raise L.StoreCorrupt(f"{path}: holds {enc} states but the version is {self.encoding}: mixed encodings "
+                                     "in one version are refused; convert the extraction again into a fresh store "
+                                     "with one --encoding")
             raise L.StoreCorrupt(f"{path}: schema differs from the store's (k*H, H or provenance); re-convert")
         self._maps[f] = (mm, base, buf)
         return self._maps[f]
@@ -337,53 +337,9 @@ class Store:
 
     def verify(self) -> list[str]:
         """Every problem found (empty when fine): sizes, sha256, and index <-> data consistency."""
-        problems = self._size_problems()
-        rows_per_file = Counter(int(f) for f in self._file)
-        for f, (path, rec) in enumerate(zip(self._paths, self.manifest["files"], strict=True)):
-            if any(p.startswith(f"data file {path} is ") for p in problems):
-                continue  # missing or truncated: already named
-            try:
-                size, sha = L.sha256_file(self.fs, path)
-            except FileNotFoundError:
-                problems.append(f"{path}: missing")
-                continue
-            if sha != rec["sha256"] or size != rec["bytes"]:
-                problems.append(f"{path}: sha256/size mismatch with the manifest (bytes changed on storage); "
-                                f"{self._remedy()}")
-                continue
-            _CHECKED.add((self._identity(f), rec["sha256"]))  # reads below need not hash it again
-            if rec["samples"] != rows_per_file[f]:
-                problems.append(f"{path}: manifest says {rec['samples']} samples, index has {rows_per_file[f]}")
-            problems += self._check_file(f, path)
-        for key, arr in (("num_tokens", self.num_tokens), ("loss_tokens", self.loss_tokens)):
-            if int(arr.sum()) != self.manifest.get(key):
-                problems.append(f"index {key} total {int(arr.sum())} != manifest {self.manifest.get(key)}")
-        if len(set(self.sample_ids)) != len(self.sample_ids):
-            problems.append("index lists a sample id twice")
-        return problems
+        from eaglenest.store.verify import verify  # verify.py builds on this module
 
-    def _check_file(self, f: int, path: str) -> list[str]:
-        """Each index row of file f: same sample id (batch metadata), rows, loss tokens, message range."""
-        problems = []
-        try:
-            with self.fs.open(path, "rb") as fh:
-                reader = pa.ipc.open_file(pa.py_buffer(fh.read()) if not self._local else self._mapped(f)[2])
-                rows = np.flatnonzero(self._file == f)
-                if reader.num_record_batches != len(rows):
-                    problems.append(f"{path}: {reader.num_record_batches} batches, index lists {len(rows)}")
-                for i in rows:
-                    batch, meta = reader.get_batch_with_custom_metadata(int(self._batch[i]))
-                    sid = (meta or {}).get(b"sample_id", b"").decode()
-                    if sid != self.sample_ids[i] or batch.num_rows != self.num_tokens[i]:
-                        problems.append(f"{path}: batch {self._batch[i]} holds {sid!r}/{batch.num_rows} tokens, "
-                                        f"index says {self.sample_ids[i]!r}/{self.num_tokens[i]}")
-                    elif int(batch.column(1).to_numpy().sum()) != self.loss_tokens[i]:
-                        problems.append(f"{path}: loss tokens of {sid!r} differ from the index")
-                    elif self[int(i)].num_tokens != batch.num_rows:
-                        problems.append(f"{path}: index offset of {sid!r} does not point at its batch")
-        except (pa.ArrowException, OSError, L.StoreCorrupt, ValueError) as e:
-            problems.append(f"{path}: unreadable ({e})")
-        return problems
+        return verify(self)
 
     def file_records(self) -> list[dict]:
         """Per data file: key, bytes, sha256 and index rows (what the converter's sidecars hold)."""
@@ -398,9 +354,11 @@ class Store:
 
     def info(self) -> dict:
         m = self.manifest
+        nbytes, tokens = sum(f["bytes"] for f in m["files"]), int(self.num_tokens.sum())
         return {"url": self.url, "version": m["version"], "parent": m.get("parent"), "created_at": m["created_at"],
-                "extraction": m.get("extraction"), "samples": len(self), "tokens": int(self.num_tokens.sum()),
-                "loss_tokens": int(self.loss_tokens.sum()), "files": len(self._paths),
-                "bytes": sum(f["bytes"] for f in m["files"]), "aux_layer_ids": list(self.provenance.aux_layer_ids),
+                "extraction": m.get("extraction"), "samples": len(self), "tokens": tokens,
+                "loss_tokens": int(self.loss_tokens.sum()), "files": len(self._paths), "bytes": nbytes,
+                "encoding": self.encoding, "bytes_per_token": round(nbytes / max(tokens, 1), 1),
+                "aux_layer_ids": list(self.provenance.aux_layer_ids),
                 "hidden_size": self.provenance.hidden_size, "engine": self.provenance.engine,
                 "model_path": self.provenance.model_path}

@@ -18,9 +18,10 @@ import hashlib
 import json
 import mmap
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -135,9 +136,18 @@ def load_shard(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) ->
     return shard
 
 
-def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry],
-                    provenance: Provenance) -> Iterator[tuple[LedgerEntry, Shard]]:
-    """Load shards in order on a helper thread, up to PREFETCH_BYTES ahead (hashing releases the GIL)."""
+def _load(capture_dir: Path, entry: LedgerEntry, provenance: Provenance,
+          transform: Callable[[LedgerEntry, Shard], Any] | None) -> Any:
+    shard = load_shard(capture_dir, entry, provenance)
+    return shard if transform is None else transform(entry, shard)
+
+
+def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry], provenance: Provenance, *,
+                    transform: Callable[[LedgerEntry, Shard], Any] | None = None) -> Iterator[tuple[LedgerEntry, Any]]:
+    """Load shards in order on a helper thread, up to PREFETCH_BYTES ahead (hashing releases the GIL).
+
+    transform: applied to each loaded shard on the helper thread (the converter builds the sample's columns
+    there, fp8 encoding included, while the caller writes the previous ones); yields its result."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-read")
     pending: deque[tuple[LedgerEntry, Future]] = deque()
     nxt, inflight = 0, 0
@@ -145,7 +155,7 @@ def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry],
         while nxt < len(entries) or pending:
             while nxt < len(entries) and (not pending or inflight + entries[nxt].bytes <= PREFETCH_BYTES):
                 e = entries[nxt]
-                pending.append((e, pool.submit(load_shard, capture_dir, e, provenance)))
+                pending.append((e, pool.submit(_load, capture_dir, e, provenance, transform)))
                 inflight += e.bytes
                 nxt += 1
             e, fut = pending.popleft()
