@@ -34,6 +34,8 @@ def convert(
     encoding: Annotated[Encoding, typer.Option(
         help="bf16: the captured bits; fp8: e4m3 + per-token block scales, half the bytes (<= 6.6% per-row error)")
                         ] = Encoding.bf16,
+    device: Annotated[str, typer.Option(help="where fp8 encoding runs: auto (a GPU if visible) | cpu | cuda")
+                      ] = "auto",
 ) -> None:
     """Convert an extraction's validated shards into a new (or the same, if unchanged) store version."""
     from rich.progress import Progress
@@ -46,9 +48,9 @@ def convert(
         task = bar.add_task("converting", total=None)
         try:
             summary = run(extraction_dir, url, target_file_bytes=target_file_mb << 20, append=append, rehash=rehash,
-                          partial=partial, encoding=encoding.value,
+                          partial=partial, encoding=encoding.value, device=device,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except (StoreError, ContractError) as e:
+        except (StoreError, ContractError, ValueError) as e:
             _fail(e)
     s = summary
     speed = s.bytes_in / max(s.seconds, 1e-9) / 1e6

@@ -15,7 +15,9 @@ about --gb GB in --workdir, then prints:
   anonymous RSS (RssAnon) barely moves while every byte of the store is read.
 - sha256 check: first-read MB/s of a cold store (random order, fresh Store per pass) with the per-file sha256
   check on first read (the default) and without it (``check_sha256=False``).
-``--sections`` picks what runs (default all: p3,p4,sha).
+- encodings: conversion MB/s (shard bytes in / wall seconds, best of repeats) and bytes per token of the same
+  extraction converted as bf16 and as fp8 (``--device`` says where fp8 is encoded).
+``--sections`` picks what runs (default all: p3,p4,sha,enc).
 Numbers on a shared 2-core machine are noisy: rerun when the machine is quiet.
 """
 
@@ -109,6 +111,22 @@ def first_read(url: str, files, order, out: torch.Tensor, *, check: bool, cold: 
     return read_pass(open_store(url, check_sha256=check), order, out)
 
 
+def compare_encodings(ex: Path, work: Path, shard_bytes: int, args) -> None:
+    res = {}
+    for enc in ("bf16", "fp8"):
+        best, summary = float("inf"), None
+        for _ in range(args.repeats):
+            shutil.rmtree(work / f"store-{enc}", ignore_errors=True)
+            summary = convert(ex, str(work / f"store-{enc}"), target_file_bytes=args.target_file_mb << 20,
+                              encoding=enc, device=args.device)
+            best = min(best, summary.seconds)
+        res[enc] = (shard_bytes / best / 1e6, summary.store_bytes / summary.tokens)
+        shutil.rmtree(work / f"store-{enc}")
+        print(f"  {enc}: convert {res[enc][0]:.0f} MB/s (input), {res[enc][1]:.1f} bytes/token")
+    print(f"encodings: fp8/bf16 conversion speed {res['fp8'][0] / res['bf16'][0]:.2f} (goal >= 1), "
+          f"bytes per token {res['fp8'][1] / res['bf16'][1]:.3f} (goal <= 0.52)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.0)
@@ -117,7 +135,8 @@ def main() -> None:
     ap.add_argument("--target-file-mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--sections", default="p3,p4,sha", help="comma-separated: p3, p4, sha")
+    ap.add_argument("--sections", default="p3,p4,sha,enc", help="comma-separated: p3, p4, sha, enc")
+    ap.add_argument("--device", default="auto", help="enc: where fp8 encoding runs (auto | cpu | cuda)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.workdir))
@@ -145,6 +164,8 @@ def main() -> None:
         else:
             convert(ex, str(work / "store"), target_file_bytes=args.target_file_mb << 20)
 
+        if "enc" in sections:
+            compare_encodings(ex, work, shard_bytes, args)
         store = open_store(str(work / "store"))
         files = store._paths
         nbytes = sum(f["bytes"] for f in store.manifest["files"])

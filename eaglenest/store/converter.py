@@ -108,14 +108,26 @@ def plan_files(entries: Sequence[LedgerEntry], provenance: Provenance, target_fi
     return out
 
 
-def sample_columns(encoding: str, entry: LedgerEntry, shard: Shard) -> list[torch.Tensor]:
-    """The data columns of one sample in ``encoding`` (the order of :func:`layout.data_schema`)."""
+def sample_columns(encoding: str, device: torch.device, entry: LedgerEntry, shard: Shard) -> list[torch.Tensor]:
+    """The data columns of one sample in ``encoding`` (the order of :func:`layout.data_schema`); fp8 is
+    encoded on ``device`` (the same bits on any device: float32 division and e4m3 rounding are exact IEEE)."""
     mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
     if encoding == "bf16":
         return [shard.input_ids, mask, shard.aux_hidden, shard.final_hidden]
-    fp8 = encode_states(shard.aux_hidden, shard.final_hidden, len(shard.provenance.aux_layer_ids),
-                        what=f"sample {entry.sample_id!r}")
-    return [shard.input_ids, mask, fp8.aux_codes, fp8.final_codes, fp8.aux_scale, fp8.final_scale]
+    fp8 = encode_states(shard.aux_hidden.to(device), shard.final_hidden.to(device),
+                        len(shard.provenance.aux_layer_ids), what=f"sample {entry.sample_id!r}")
+    return [shard.input_ids, mask, *(t.cpu() for t in (fp8.aux_codes, fp8.final_codes, fp8.aux_scale,
+                                                       fp8.final_scale))]
+
+
+def encode_device(device: str) -> torch.device:
+    """Where fp8 encoding runs: ``auto`` is the GPU when one is visible (the encoding is compute-bound on CPUs)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return dev
 
 
 def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema,
@@ -229,6 +241,7 @@ def convert(
     rehash: bool = False,
     partial: bool = False,
     encoding: str = DEFAULT_ENCODING,
+    device: str = "auto",
     progress: ProgressFn | None = None,
     stale_tmp_seconds: float = 3600.0,
 ) -> ConvertSummary:
@@ -239,12 +252,14 @@ def convert(
     partial: convert although samples of the extraction are still pending (refused otherwise, with counts).
     encoding: how the version holds the states: ``bf16`` (bit exact) or ``fp8`` (half the bytes, within the
     error bound of :mod:`eaglenest.store.encoding`). One version holds one encoding.
+    device: where fp8 encoding runs (``auto``: a GPU when one is visible, else the CPU).
     progress: called as ``progress(samples_done, samples_total)``.
     """
     t0 = time.perf_counter()
     if target_file_bytes < 1:
         raise ValueError(f"target_file_bytes must be positive, got {target_file_bytes}")
     check_encoding(encoding)
+    dev = encode_device(device)
     fs, root = L.resolve(url, storage_options)
     ledger = Ledger(extraction_dir)
     entries = list(ledger.entries().values())
@@ -309,7 +324,7 @@ def convert(
     bytes_in = bytes_written = 0
     if todo:
         stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
-                                 transform=partial_fn(sample_columns, encoding))
+                                 transform=partial_fn(sample_columns, encoding, dev))
         slot = {pf.key: j for j, pf in enumerate(planned)}
         try:
             for pf in todo:

@@ -4,8 +4,9 @@ sample record readers hand out (:class:`StoreSample`: bf16 views, or fp8 codes d
 fp8 = OCP e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, largest finite 448) with one float32 scale per token
 and block. The blocks of a token are each aux layer's H values and the final state's H values, each scaled
 on its own (aux layers differ in magnitude by orders, and one shared scale would flush the quiet ones).
-Encoding a row ``x`` of one block: ``s = max|x| / 448``, ``q = e4m3(x / s)`` (round to nearest even, |x/s| <= 448
-so nothing saturates); decoding: ``x' = bf16(q * s)`` (float32 product, then one bf16 rounding).
+Encoding a row ``x`` of one block: ``s = max|x| / 448`` (as ``max|x| * fl32(1/448)``), ``q = e4m3(x * (1/s))``
+(float32, round to nearest even, |x/s| <= 448 so nothing saturates); decoding: ``x' = bf16(q * s)`` (float32
+product, one bf16 rounding).
 
 Error bound, per row of one block (``n`` values, n <= 65,536, max|x| >= 2**-100; smaller rows are stored
 as zeros, which hidden states never are)::
@@ -15,8 +16,9 @@ as zeros, which hidden states never are)::
 Why: an e4m3 normal (|x/s| >= 2**-6) is off by at most half a unit in the last place, 2**-4 of its value;
 a subnormal by at most 2**-10 (in units of s), i.e. ``2**-10 * s * sqrt(n) <= sqrt(n) * ||x||_2 / 458752``
 over the row since ``s = max|x| / 448 <= ||x||_2 / 448`` (at most 5.6e-4 relative for n <= 65,536); the
-float32 product and the bf16 rounding add at most 2**-9 relative. 2**-4 (1 + 2**-9) + 2**-9 + 5.6e-4 <
-2**-4 + 2**-8. Typical rows (Gaussian-like, or with a few huge channels) land near 2.6%.
+float32 reciprocal and products add about 2**-23, the bf16 rounding at most 2**-9 relative. In all,
+2**-4 (1 + 2**-9) + 2**-9 + 5.6e-4 + 2**-22 < 2**-4 + 2**-8. Typical rows (Gaussian-like, or with a few huge
+channels) land near 2.6%.
 
 Bytes per token: bf16 stores 2 (k + 1) H; fp8 stores (k + 1) H + 4 (k + 1), i.e. 0.50x plus 4 bytes per block
 (0.504x for SmolLM2: k = 3, H = 576; ids and loss mask are the same 5 bytes in both).
@@ -32,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from eaglenest.contract import ContractError, all_finite
+from eaglenest.contract import ContractError
 
 Encoding = Literal["bf16", "fp8"]
 ENCODINGS: tuple[str, ...] = ("bf16", "fp8")
@@ -41,6 +43,7 @@ FP8_MAX = 448.0
 FP8_REL_ERROR = 2.0**-4 + 2.0**-8
 """Bound on ||decode(encode(x)) - x||_2 / ||x||_2 per row of one block (see the module docstring)."""
 _FLUSH_BELOW = 2.0**-100
+_INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 
 
 def check_encoding(encoding: str) -> str:
@@ -58,22 +61,34 @@ def bytes_per_token(encoding: str, hidden_size: int, num_aux: int) -> int:
     return 5 + blocks * hidden_size + 4 * blocks
 
 
+_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+"""dtype -> (same-width int, mask clearing the sign, bit pattern of +inf). Cleared of its sign, a float's bit
+pattern orders like its magnitude, and every NaN/inf pattern is >= +inf's: one integer max per row gives both
+max|x| and the finite check, several times faster on a CPU than abs() + amax() in floating point."""
+
+
 def encode_fp8(x: torch.Tensor, blocks: int, *, what: str = "hidden states") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, blocks*H] (bf16 or float) -> (codes uint8 [T, blocks*H] e4m3 bits, scales float32 [T, blocks]).
+    """x [T, blocks*H] bf16 or float32 -> (codes uint8 [T, blocks*H] e4m3 bits, scales float32 [T, blocks]).
 
     Raises ContractError on NaN/inf (nothing non-finite is stored)."""
     t, width = x.shape
     if width % blocks:
         raise ValueError(f"{what}: width {width} is not a multiple of {blocks} blocks")
-    xb = x.reshape(t, blocks, width // blocks).float()  # [T, B, H]
-    amax = xb.abs().amax(dim=-1)  # [T, B]; NaN propagates, inf stays inf
-    if not all_finite(amax):
+    if x.dtype not in _BITS:
+        raise ValueError(f"{what}: fp8 encodes bf16 or float32 states, got {x.dtype}")
+    int_type, magnitude, inf_bits = _BITS[x.dtype]
+    xb = x.reshape(t, blocks, width // blocks)  # [T, B, H]
+    amax_bits = (xb.view(int_type) & magnitude).amax(dim=-1)  # [T, B]
+    if bool((amax_bits >= inf_bits).any()):
         raise ContractError(f"{what}: non-finite values cannot be encoded as fp8 (nothing was written)")
-    amax = torch.where(amax >= _FLUSH_BELOW, amax, torch.zeros_like(amax))
-    scale = amax / FP8_MAX  # [T, B]
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    y = (xb / divisor).clamp_(-FP8_MAX, FP8_MAX)
-    y = torch.where(scale.unsqueeze(-1) > 0, y, torch.zeros_like(y))  # flushed rows: exact zeros
+    amax = amax_bits.view(x.dtype).float()
+    # Only correctly rounded float32 operations, so every device produces the same bits (CUDA divides by a
+    # Python scalar as a multiplication by its reciprocal: multiply by the one float32 constant here too).
+    scale = torch.where(amax >= _FLUSH_BELOW, amax * _INV_FP8_MAX, torch.zeros_like(amax))  # [T, B]
+    # x * (1/s) instead of x / s: one pass (bf16 * float32 -> float32); the reciprocal's extra rounding
+    # (2**-24) is far inside the bound's slack. A flushed row gets 1/s = 0: exact zeros.
+    inv = torch.where(scale > 0, torch.reciprocal(scale), torch.zeros_like(scale)).unsqueeze(-1)  # [T, B, 1]
+    y = (xb * inv).clamp_(-FP8_MAX, FP8_MAX)  # [T, B, H] float32; |y| <= 448 up to rounding: clamp to be sure
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(t, width)
     return codes, scale
 
