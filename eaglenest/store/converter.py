@@ -40,7 +40,7 @@ from eaglenest.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
 from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_states
 from eaglenest.store.reader import open_store
-from eaglenest.store.shards import check_inputs, prefetch_shards
+from eaglenest.store.shards import check_inputs, check_pending, prefetch_shards
 
 DEFAULT_TARGET_FILE_BYTES = 256 << 20
 DTYPES = {
@@ -120,6 +120,19 @@ def sample_columns(encoding: str, device: torch.device, entry: LedgerEntry, shar
                                                        fp8.final_scale))]
 
 
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """CPU fp8 encoding runs one sample per worker thread; torch's intra-op threads on top of those
+    oversubscribe the cores (5x slower measured on 2 busy cores). torch's thread count is per process:
+    it is restored when the conversion ends."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def encode_device(device: str) -> torch.device:
     """Where fp8 encoding runs: ``auto`` is the GPU when one is visible (the encoding is compute-bound on CPUs)."""
     if device == "auto":
@@ -191,27 +204,6 @@ def _reusable(fs, root: str, pf: _Planned, sizes: dict[str, int], trusted: dict 
     return None
 
 
-def pending_samples(extraction_dir: str | Path, ledger_ids: set[str]) -> tuple[int, int] | None:
-    """(pending, total) samples of an extraction, or None for a folder that is not a pipeline extraction.
-
-    The extraction's ``report.json`` (written at the end of each run) counts them; samples validated after it
-    was written (a later run killed before its report) are taken off. Without a report (the first run was
-    killed), the prepared ``samples.parquet`` minus the ledger is the count (skips included: an upper bound).
-    """
-    folder = Path(extraction_dir)
-    report = _read_json(fsspec.filesystem("file"), str(folder / "report.json"))
-    if report and isinstance(report.get("pending"), int) and isinstance(report.get("done"), int):
-        newer = max(0, len(ledger_ids) - report["done"])
-        return max(0, report["pending"] - newer), int(report.get("samples", len(ledger_ids)))
-    samples = folder / "samples.parquet"
-    if samples.is_file():
-        import pyarrow.parquet as pq
-
-        ids = set(pq.read_table(samples, columns=["sample_id"]).column("sample_id").to_pylist())
-        return len(ids - ledger_ids), len(ids)
-    return None
-
-
 def _write_manifest(fs, root: str, version: str, manifest: dict) -> None:
     L.write_bytes(fs, L.version_path(root, version, L.MANIFEST_NAME), L.encode_manifest(manifest))
 
@@ -265,14 +257,7 @@ def convert(
     entries = list(ledger.entries().values())
     if not entries:
         raise L.ConvertInputError(f"{ledger.path}: no validated samples; run the extraction first")
-    counts = pending_samples(extraction_dir, {e.sample_id for e in entries})
-    pending = counts[0] if counts else 0
-    if pending and not partial:
-        raise L.ConvertInputError(
-            f"{extraction_dir}: {pending} of {counts[1]} samples are still pending (not captured and validated); "
-            "finish the extraction (re-run the same extract command to resume) or convert the "
-            f"{len(entries)} validated samples anyway with --partial"
-        )
+    pending = check_pending(extraction_dir, entries, partial=partial)
     capture = check_inputs(ledger.capture_dir, entries)  # the shards' provenance (bf16 states)
     prov = replace(capture, store_encoding=encoding)  # the store's: the capture's, plus how it is stored
 
@@ -322,21 +307,24 @@ def convert(
         progress(done, total)
 
     bytes_in = bytes_written = 0
+    cpu_encoding = encoding == "fp8" and dev.type == "cpu"
     if todo:
         stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
-                                 transform=partial_fn(sample_columns, encoding, dev))
+                                 transform=partial_fn(sample_columns, encoding, dev),
+                                 workers=min(8, os.cpu_count() or 1) if cpu_encoding else 1)
         slot = {pf.key: j for j, pf in enumerate(planned)}
-        try:
-            for pf in todo:
-                rec = _write_file(fs, root, pf, schema, stream)
-                records[slot[pf.key]] = rec
-                bytes_in += sum(e.bytes for e in pf.entries)
-                bytes_written += rec["bytes"]
-                done += len(pf.entries)
-                if progress:
-                    progress(done, total)
-        finally:
-            stream.close()
+        with _one_torch_thread() if cpu_encoding else contextlib.nullcontext():
+            try:
+                for pf in todo:
+                    rec = _write_file(fs, root, pf, schema, stream)
+                    records[slot[pf.key]] = rec
+                    bytes_in += sum(e.bytes for e in pf.entries)
+                    bytes_written += rec["bytes"]
+                    done += len(pf.entries)
+                    if progress:
+                        progress(done, total)
+            finally:
+                stream.close()
 
     all_records = base_records + [r for r in records if r is not None]
     manifest = _commit_version(fs, root, version, prov, all_records, parent, old, extraction_dir)
