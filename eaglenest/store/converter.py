@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from eaglenest.contract import Provenance, Shard
-from eaglenest.ledger import Ledger, LedgerEntry, spans_to_mask
+from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
 from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_states
 from eaglenest.store.reader import open_store
