@@ -42,6 +42,7 @@ from eaglenest.store.layout import (
 from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
 from eaglenest.store.sampler import LengthBucketSampler, StoreDataset
 from eaglenest.store.split import held_out, split_indices
+from eaglenest.store.verify import verify_store
 
 __all__ = [
     "DEFAULT_TARGET_FILE_BYTES",
@@ -63,4 +64,5 @@ __all__ = [
     "open_samples",
     "open_store",
     "split_indices",
+    "verify_store",
 ]

@@ -23,7 +23,7 @@ class ExtractionStore:
     """Read-only store view of ``<extraction>/capture`` + ``<extraction>/ledger.jsonl``."""
 
     def __init__(self, extraction_dir: str | Path) -> None:
-        from eaglenest.ledger import Ledger
+        from eaglenest.extraction.ledger import Ledger
 
         ledger = Ledger(extraction_dir)
         self._entries = sorted(ledger.entries().values(), key=lambda e: e.sample_id)
@@ -46,16 +46,19 @@ class ExtractionStore:
         return contract.decode_shard(data, where=str(self._capture / entry.shard))
 
     def __getitem__(self, i: int) -> StoreSample:
-        from eaglenest.ledger import spans_to_mask
+        from eaglenest.extraction.ledger import spans_to_mask
 
         shard, entry = self._read(i), self._entries[i]
         mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)
         return StoreSample(shard.sample_id, shard.input_ids, mask, shard.aux_hidden, shard.final_hidden)
 
 
-def open_samples(url: str | Path) -> Store | ExtractionStore:
-    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place."""
+def open_samples(url: str | Path, *, check_sha256: bool = True) -> Store | ExtractionStore:
+    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place.
+
+    check_sha256: an Arrow store sha256-checks each data file on its first read (an extraction folder checks
+    every shard against the ledger anyway)."""
     path = Path(str(url).removeprefix("file://"))
     if (path / "ledger.jsonl").is_file():
         return ExtractionStore(path)
-    return open_store(str(url))
+    return open_store(str(url), check_sha256=check_sha256)
