@@ -18,7 +18,8 @@ def prompt_sets() -> list[PromptSet]:
              "with open(path) as f: data = f.read()", "raise ValueError('bad value')"]
     mk = [Prompt(id=f"mt-bench:{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[:4])]
     he = [Prompt(id=f"HumanEval/{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[4:])]
-    return [PromptSet(name="mt-bench", source="test", prompts=mk), PromptSet(name="humaneval", source="test", prompts=he)]
+    return [PromptSet(name="mt-bench", source="test", prompts=mk),
+            PromptSet(name="humaneval", source="test", prompts=he)]
 
 
 def test_prompt_source_round_trip(tmp_path):
@@ -33,13 +34,13 @@ def test_prompt_source_round_trip(tmp_path):
 @pytest.mark.slow  # regeneration on the embedded engine: ~1-3 min on a shared 2-core machine
 def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tiny_model_dir, capture_servers,
                                                                   tmp_path):
-    from eaglenest.drafter.data import open_store
-    from eaglenest.spec.cpu_bench import live_accept_on_samples
-    from eaglenest.spec.serve import load_spec_decoder
-
     import shutil
 
     from spec_support import fit_drafter
+
+    from eaglenest.drafter.data import open_store
+    from eaglenest.spec.cpu_bench import live_accept_on_samples
+    from eaglenest.spec.serve import load_spec_decoder
 
     runner, untrained, _, _, _ = spec_tiny
     source = C.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())

@@ -49,6 +49,7 @@ class CaptureSettings(BaseModel):
     batch_size: int = Field(256, ge=1, le=4096, description="samples per capture batch")
     concurrency: int = Field(64, ge=1, le=1024, description="requests in flight per server")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="capture dtype")
+    server_capture_dir: str | None = Field(None, description="where given server_urls write shards, if they do not say")
     sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments")
     extraction_id: str = Field("calibration", description="folder name under the output folder")
 
@@ -90,6 +91,7 @@ def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: s
         batch_size=settings.batch_size, concurrency=settings.concurrency, max_tokens=settings.max_tokens,
         regeneration=RegenerationParams(enabled=True, temperature=0.0, max_new_tokens=settings.max_new_tokens),
         extraction_id=settings.extraction_id, output_dir=str(output_dir), sglang_args=list(settings.sglang_args),
+        server_capture_dir=settings.server_capture_dir,
     )
     report = run_extraction(params, on_progress=on_progress)
     return Path(params.output_path).expanduser().resolve() / settings.extraction_id, report
@@ -203,7 +205,7 @@ def markdown(report: CalibrationReport) -> str:
                 return "-" if v is None else f"{v:.2f}"
             lines.append(f"| {r['prompt_set']} | {r['depth']} | {r['concurrency']} | {f(r['offline'])} | "
                          f"{f(r['offline_per_start'])} | {f(r['live'])} | {f(r['ratio'])} |")
-    return "\n".join(lines + [*(f"- {n}" for n in report.notes)]) + "\n"
+    return "\n".join([*lines, *(f"- {n}" for n in report.notes)]) + "\n"
 
 
 def write_calibration(report: CalibrationReport, out_dir: str | Path) -> Path:
@@ -217,7 +219,7 @@ def write_calibration(report: CalibrationReport, out_dir: str | Path) -> Path:
 
 def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: CaptureSettings, work_dir: str | Path,
                          live_reports: Sequence[str | Path] = (), depths: Sequence[int] = DEFAULT_DEPTHS,
-                         on_progress=None) -> CalibrationReport:
+                         device: str = "auto", on_progress=None) -> CalibrationReport:
     """Capture the target's greedy answers to ``source`` and put the drafter's offline estimate beside
     the live accept lengths of ``live_reports`` (bench report.json files of the same prompt sets)."""
     from eaglenest.drafter.data import open_store
@@ -229,7 +231,11 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
         raise ValueError(f"the capture of {source} produced no samples: see {folder}/report.json")
     store = open_store(str(folder))
     model_dir = resolve_model(settings.model)
+    import torch
+
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     dr, head = load_offline_draft(model_dir, draft)
+    dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)
     sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None))
     live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]

@@ -22,9 +22,9 @@ bonus token, as everywhere in eaglenest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -134,7 +134,7 @@ def sample_drafts(draft: Eagle3Drafter, lm_head: torch.Tensor, sample: SampleLik
     """(g [T]: the target's greedy next token at each position, drafts [T-1, num_steps] or None)."""
     x = sample.input_ids.long()  # [T]
     with torch.inference_mode():
-        g = (sample.final_hidden.to(lm_head.dtype) @ lm_head.T).argmax(-1).cpu()  # [T]: target's next token
+        g = (sample.final_hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T).argmax(-1).cpu()  # [T] next token
         drafts = chain_drafts(draft, x, sample.aux_hidden, num_steps).cpu() if x.shape[0] > 1 else None
     return g, drafts
 
