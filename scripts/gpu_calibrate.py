@@ -45,8 +45,8 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     settings = CaptureSettings(model=a.model, engine="sglang", server_urls=a.server_url,
-                               max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, concurrency=a.concurrency, sglang_args=a.sglang_arg,
-                               server_capture_dir=a.server_capture_dir)
+                               max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, concurrency=a.concurrency,
+                               sglang_args=a.sglang_arg, server_capture_dir=a.server_capture_dir)
     last = [0.0]
 
     def progress(p) -> None:  # one line every 15 s
