@@ -12,8 +12,12 @@ from pathlib import Path
 from eaglenest import contract
 
 
+HELDOUT = "heldout"  # the set name of the training store's own held-out split (older runs wrote none)
+
+
 def read_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
-    """{"train": [...], "eval": [...]} sorted by step, last record per step."""
+    """{"train": [...], "eval": [held-out...], "eval:<set>": [...] per extra eval set}, each sorted by
+    step, last record per step."""
     path = Path(run_dir) / "metrics.jsonl"
     latest: dict[tuple[str, int], dict] = {}
     if path.is_file():
@@ -22,12 +26,40 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a torn last line
                 continue
-            if rec.get("kind") in ("train", "eval"):
-                latest[(rec["kind"], int(rec["step"]))] = rec
+            if rec.get("kind") == "train":
+                latest[("train", int(rec["step"]))] = rec
+            elif rec.get("kind") == "eval":
+                name = rec.get("set", HELDOUT)
+                latest[("eval" if name == HELDOUT else f"eval:{name}", int(rec["step"]))] = rec
     out: dict[str, list[dict]] = {"train": [], "eval": []}
     for (kind, _), rec in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        out[kind].append(rec)
+        out.setdefault(kind, []).append(rec)
     return out
+
+
+def shown_depths(depths: list[int]) -> list[int]:
+    """The accept-length depths a panel draws: 1, 2, 3 and the deepest, each once, those that exist."""
+    return sorted({d for d in (1, 2, 3, max(depths)) if d in depths}) if depths else []
+
+
+def draw_accept_lengths(ax, m: dict[str, list[dict]]) -> list[str]:
+    """Held-out accept length per shown depth, and each eval set's at depth 3 (dashed); returns the labels."""
+    labels = []
+    evs = m.get("eval") or []
+    if evs:
+        for d in shown_depths(sorted(int(x) for x in evs[-1]["accept_length"])):
+            ax.plot([e["step"] for e in evs], [e["accept_length"][str(d)] for e in evs], marker="o",
+                    label=f"held-out depth {d}")
+            labels.append(f"held-out depth {d}")
+    for kind in sorted(k for k in m if k.startswith("eval:")):
+        evs = m[kind]
+        d = str(min(3, max(int(x) for x in evs[-1]["accept_length"])))
+        ax.plot([e["step"] for e in evs], [e["accept_length"][d] for e in evs], ls="--", marker="s",
+                label=f"{kind[5:]} depth {d}")
+        labels.append(f"{kind[5:]} depth {d}")
+    if labels:
+        ax.legend(loc="lower right")
+    return labels
 
 
 def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
@@ -53,16 +85,10 @@ def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     ax.legend(loc="upper right")
-    if m["eval"]:
-        evs = m["eval"]
-        depths = sorted(int(d) for d in evs[-1]["accept_length"])
-        for d in (1, 3, depths[-1]) if len(depths) >= 3 else depths:
-            values = [e["accept_length"][str(d)] for e in evs]
-            ax2.plot([e["step"] for e in evs], values, marker="o", label=f"depth {d}")
-        ax2.legend(loc="lower right")
+    draw_accept_lengths(ax2, m)
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("simulated accept length (bonus incl.)")
-    ax2.set_title("held-out accept length")
+    ax2.set_title("accept length (held-out and eval sets)")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
@@ -81,4 +107,9 @@ def summary_rows(result: dict) -> list[dict]:
         rows.append({"metric": f"held-out accept length @ depth {d}", "value": round(v, 4)})
     for i, a in enumerate(ev.get("step_acc") or []):
         rows.append({"metric": f"held-out step-{i} accuracy", "value": round(a, 4)})
+    for name, es in (result.get("eval_sets") or {}).items():
+        for d, v in (es.get("accept_length_cycles") or {}).items():
+            rows.append({"metric": f"{name} accept length per cycle @ depth {d}", "value": round(v, 4)})
+    if result.get("note"):
+        rows.append({"metric": "stopped because", "value": result["note"]})
     return rows
