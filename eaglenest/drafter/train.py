@@ -109,11 +109,12 @@ def _comm_device(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
-def train(config: TrainConfig, *, store=None, callback: Callable[[dict], None] | None = None,
-          clock: Callable[[], float] = time.monotonic) -> TrainResult:
+def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
+          callback: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic) -> TrainResult:
     """Train (or resume) a drafter per ``config``; returns where the result is and its metrics.
 
-    ``store`` overrides opening ``config.store`` (tests pass an in-memory store). ``callback`` gets
+    ``store`` / ``eval_stores`` override opening ``config.store`` / ``config.eval_sets`` (tests pass
+    in-memory stores). ``callback`` gets
     every train/eval/checkpoint event dict on rank 0 (an exception from it aborts like a crash).
     """
     d = Dist.from_env()
@@ -123,7 +124,7 @@ def train(config: TrainConfig, *, store=None, callback: Callable[[dict], None] |
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        trainer = Trainer.setup(config, d, store=store, callback=callback, clock=clock)
+        trainer = Trainer.setup(config, d, store=store, eval_stores=eval_stores, callback=callback, clock=clock)
         if trainer.resume():
             return finished_result(trainer.run_dir, d, trainer.checkpoint, trainer.total)
         return trainer.run()
@@ -159,9 +160,10 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------------------
     @classmethod
-    def setup(cls, config: TrainConfig, d: Dist, *, store=None, callback=None,
-              clock: Callable[[], float] = time.monotonic) -> Trainer:
+    def setup(cls, config: TrainConfig, d: Dist | None = None, *, store=None, eval_stores: dict | None = None,
+              callback=None, clock: Callable[[], float] = time.monotonic) -> Trainer:
         """Everything a step needs, from the config (and the latest checkpoint's vocabulary, if any)."""
+        d = d or Dist()
         device, bf16 = _resolve(config, d)
         t_start = clock()
         torch.manual_seed(config.seed)
@@ -169,7 +171,7 @@ class Trainer:
         store = store if store is not None else open_store(config.store)
         target_dir = model_lib.resolve_model(config.target)
         check_store_target(store.provenance, target_dir)
-        eval_stores = open_eval_sets(config.eval_sets, store.provenance, target_dir)
+        eval_stores = open_eval_sets(config.eval_sets, store.provenance, target_dir, given=eval_stores)
         train_idx, eval_idx = split_indices(store.sample_ids, config.eval_fraction, max_eval=config.eval_max_samples)
         tt = load_target_tensors(target_dir)
         ckpts = CheckpointManager(Path(config.out_dir), keep=config.keep_checkpoints)

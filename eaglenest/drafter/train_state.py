@@ -114,11 +114,13 @@ def describe_eval(res: dict, k: int) -> str:
     return f"accept length {al}{per_cycle}, step-0 acc {res['step_acc'][0]:.3f}"
 
 
-def open_eval_sets(eval_sets: dict[str, str], provenance: contract.Provenance, target_dir: Path) -> dict:
-    """Open every extra eval set; each must be captured from the training target with the same aux layers."""
+def open_eval_sets(eval_sets: dict[str, str], provenance: contract.Provenance, target_dir: Path, *,
+                   given: dict | None = None) -> dict:
+    """Open every extra eval set (``given`` supplies opened stores by name); each must be captured from
+    the training target with the same aux layers."""
     out = {}
     for name, url in eval_sets.items():
-        st = open_store(url)
+        st = given[name] if given and name in given else open_store(url)
         check_store_target(st.provenance, target_dir)
         if tuple(st.provenance.aux_layer_ids) != tuple(provenance.aux_layer_ids):
             raise contract.ContractError(
