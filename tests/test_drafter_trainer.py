@@ -106,7 +106,7 @@ def test_an_eval_set_from_other_aux_layers_is_refused(tmp_path, tiny_model_dir, 
 
     other = MemoryStore([drafter_store[0]], dataclasses.replace(drafter_store.provenance, aux_layer_ids=(0, 1, 2)))
     cfg = config(tmp_path, tiny_model_dir, eval_sets={"x": "memory"})
-    with pytest.raises(ContractError, match="eval set 'x'.*aux layers"):
+    with pytest.raises(ContractError, match=r"eval set 'x'.*aux layers"):
         Trainer.setup(cfg, store=drafter_store, eval_stores={"x": other})
     with pytest.raises(ValueError, match="heldout"):
         config(tmp_path, tiny_model_dir, eval_sets={"heldout": "x"})

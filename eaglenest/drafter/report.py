@@ -11,7 +11,6 @@ from pathlib import Path
 
 from eaglenest import contract
 
-
 HELDOUT = "heldout"  # the set name of the training store's own held-out split (older runs wrote none)
 
 
