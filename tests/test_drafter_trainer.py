@@ -126,3 +126,17 @@ def test_two_ttt_steps_log_no_depth_that_does_not_exist(tmp_path, tiny_model_dir
         train(cfg, store=drafter_store)
     lines = [r.getMessage() for r in caplog.records if "accept length" in r.getMessage()]
     assert lines and all("nan" not in x and "@3" not in x and "@2" in x for x in lines), lines
+
+
+def test_an_eval_set_key_picks_its_prompt_set_out_of_a_shared_capture(drafter_store):
+    import dataclasses
+
+    from eaglenest.drafter.data import prompt_set_view
+
+    samples = [dataclasses.replace(drafter_store[i], sample_id=f"{'mt-bench' if i < 3 else 'humaneval'}:{i}")
+               for i in range(5)]
+    mixed = MemoryStore(samples, drafter_store.provenance)
+    mt = prompt_set_view(mixed, "mt-bench")
+    assert mt.sample_ids == ["mt-bench:0", "mt-bench:1", "mt-bench:2"] and len(mt) == 3
+    assert mt[2].sample_id == "mt-bench:2" and list(mt.num_tokens) == list(mixed.num_tokens[:3])
+    assert prompt_set_view(mixed, "sharegpt") is mixed  # no such set: the whole store

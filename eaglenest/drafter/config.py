@@ -59,7 +59,9 @@ class TrainConfig(BaseModel):
     eval_sets: dict[str, str] = Field(
         {}, description="Extra evaluation sets, never trained on: {name: store URL or extraction folder}, e.g. the "
         "MT-Bench / HumanEval captures of `bench offline --prompt-set` (the target's greedy answers); each is scored "
-        "like the held-out split (first eval_max_samples samples) and logged per name in metrics.jsonl.")
+        "like the held-out split (first eval_max_samples samples) and logged per name in metrics.jsonl. A store "
+        "holding several prompt sets (sample ids '<set>:<id>', as the calibration capture writes) contributes "
+        "the samples of the set named like the key.")
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
     save_every: int = Field(100, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=2, description="Complete checkpoints kept (>= 2).")

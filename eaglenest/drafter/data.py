@@ -34,7 +34,8 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the checkout
 
     open_arrow_store = None
 
-__all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "split_indices"]
+__all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "prompt_set_view",
+           "split_indices"]
 
 
 def open_store(url: str):
@@ -43,6 +44,29 @@ def open_store(url: str):
     if (path / "ledger.jsonl").is_file() or open_arrow_store is None:
         return fallback_store.open_store(path)
     return open_arrow_store(str(url))
+
+
+class _View:
+    """Read-only subset of a store (same sample interface), by store index."""
+
+    def __init__(self, store, indices: Sequence[int]) -> None:
+        self._store, self._idx = store, list(indices)
+        self.provenance = store.provenance
+        self.sample_ids = [store.sample_ids[i] for i in self._idx]
+        self.num_tokens = [int(store.num_tokens[i]) for i in self._idx]
+
+    def __len__(self) -> int:
+        return len(self._idx)
+
+    def __getitem__(self, i: int):
+        return self._store[self._idx[i]]
+
+
+def prompt_set_view(store, name: str):
+    """The samples of prompt set ``name`` when the store holds several (calibration captures name their
+    samples ``<set>:<id>``), else the whole store."""
+    idx = [i for i, sid in enumerate(store.sample_ids) if str(sid).startswith(f"{name}:")]
+    return _View(store, idx) if idx and len(idx) < len(store) else store
 
 
 def held_out(sample_id: str, fraction: float) -> bool:

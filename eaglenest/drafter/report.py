@@ -112,3 +112,59 @@ def summary_rows(result: dict) -> list[dict]:
     if result.get("note"):
         rows.append({"metric": "stopped because", "value": result["note"]})
     return rows
+
+
+def eval_curves(run_dir: str | Path) -> dict[str, list[dict]]:
+    """Per eval set ('heldout' and each extra set): [{step, train_tokens, accept_length, accept_length_cycles}]
+    in step order; train_tokens comes from the eval record (or the cumulative train records before it)."""
+    m = read_metrics(run_dir)
+    seen, cum = 0, {}
+    for r in m["train"]:
+        seen += int(r.get("tokens", 0))
+        cum[int(r["step"])] = seen
+    out = {}
+    for kind, evs in m.items():
+        if kind != "eval" and not kind.startswith("eval:"):
+            continue
+        name = HELDOUT if kind == "eval" else kind[5:]
+        out[name] = [{"step": e["step"], "train_tokens": e.get("train_tokens", cum.get(int(e["step"]), 0)),
+                      "accept_length": e["accept_length"], "accept_length_cycles": e.get("accept_length_cycles", {})}
+                     for e in evs]
+    return out
+
+
+def plot_sweep(curves: dict[str, dict[str, list[dict]]], png: str | Path, depths: tuple[int, ...] = (3, 7)) -> Path:
+    """One panel per eval set: accept length per verify cycle (what live decoding reports) against training
+    tokens, one colour per config, solid/dashed per depth. ``curves``: {config: eval_curves(run)}."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({s for c in curves.values() for s in c}, key=lambda s: (s != HELDOUT, s))
+    fig, axes = plt.subplots(1, max(1, len(sets)), figsize=(5.5 * max(1, len(sets)), 4.2), squeeze=False)
+    styles = ("-", "--", ":", "-.")
+    for ax, name in zip(axes[0], sets, strict=False):
+        for ci, (cfg, c) in enumerate(sorted(curves.items())):
+            pts = c.get(name) or []
+            for di, d in enumerate(depths):
+                ys = [(p["train_tokens"], (p["accept_length_cycles"] or p["accept_length"]).get(str(d))) for p in pts]
+                ys = [(x, y) for x, y in ys if y is not None]
+                if ys:
+                    ax.plot([x / 1e6 for x, _ in ys], [y for _, y in ys], styles[di % 4], color=f"C{ci % 10}",
+                            marker="o", ms=3, label=f"{cfg} @{d}")
+        ax.set_title(f"{name}: accept length per verify cycle")
+        ax.set_xlabel("training tokens (M)")
+        ax.set_ylabel("accept length (bonus incl.)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    contract.atomic_write_bytes(png, buf.getvalue())
+    return png

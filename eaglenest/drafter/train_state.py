@@ -118,9 +118,11 @@ def open_eval_sets(eval_sets: dict[str, str], provenance: contract.Provenance, t
                    given: dict | None = None) -> dict:
     """Open every extra eval set (``given`` supplies opened stores by name); each must be captured from
     the training target with the same aux layers."""
+    from eaglenest.drafter.data import prompt_set_view
+
     out = {}
     for name, url in eval_sets.items():
-        st = given[name] if given and name in given else open_store(url)
+        st = prompt_set_view(given[name] if given and name in given else open_store(url), name)
         check_store_target(st.provenance, target_dir)
         if tuple(st.provenance.aux_layer_ids) != tuple(provenance.aux_layer_ids):
             raise contract.ContractError(
