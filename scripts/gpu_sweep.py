@@ -117,9 +117,9 @@ def main() -> int:
     (out / "sweep.json").write_text(json.dumps(report, indent=1))
     plot_sweep(curves, out / "sweep.png")
     for name, c in report["configs"].items():
-        last = {s: (pts[-1]["accept_length_cycles"] or {}) for s, pts in c["curves"].items() if pts}
-        print(name, c["result"] and c["result"]["status"], {s: {d: round(v, 3) for d, v in al.items() if d in ("3", "7")}
-                                                              for s, al in last.items()}, flush=True)
+        last = {s: {d: round(v, 3) for d, v in (pts[-1]["accept_length_cycles"] or {}).items() if d in ("3", "7")}
+                for s, pts in c["curves"].items() if pts}
+        print(name, c["result"] and c["result"]["status"], "accept length per cycle", last, flush=True)
     return 0 if all(p.returncode == 0 for p in procs.values()) else 1
 
 
