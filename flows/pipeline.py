@@ -63,7 +63,9 @@ def _staged(book: lib.StageBook, stage: lib.Stage, key: str, log, why_skip: str,
 def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
     def compute() -> dict:
         rep = extract(plan.extract)
-        return {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
+        return {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run"),
+                "records": plan.extract.limit, "skipped_samples": rep.get("skipped") or {},
+                "bad_records": rep.get("bad_records", 0)}
 
     return _staged(book, "extract", lib.extraction_key(plan), log,
                    f"extraction {plan.extract.resolved_extraction_id()} is complete", compute)
@@ -110,7 +112,8 @@ def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
 def _bench_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
     def compute() -> dict:
         res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
-        return {"output_dir": plan.bench.output_dir, "speedups": res["speedups"],
+        # concurrency keys as strings: the recorded output goes through JSON, and a re-run must print the same
+        return {"output_dir": plan.bench.output_dir, "speedups": {str(c): v for c, v in res["speedups"].items()},
                 "accept_length": res["accept_length"], "gate": res["gate"]}
 
     return _staged(book, "bench", lib.bench_key(plan.bench), log,
@@ -194,14 +197,19 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 
 
 # ------------------------------------------------------------------------------ make demo
+DEMO_TRAIN_STEPS = 96
+"""The demo's training is fixed work (sizes and steps), so a busy machine runs the same drafter, only slower."""
+
+
 def demo_params(out: str = "runs/demo", prompts: int = 128) -> lib.PipelineParams:
-    """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores."""
+    """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores:
+    fixed sizes and steps (the training stage's time budget stays a far-off safety stop)."""
     return lib.PipelineParams.model_validate({
         "run_dir": out,
         "extract": {"source": "sharegpt", "limit": prompts, "max_turns": 1, "max_tokens": 384, "batch_size": 16,
                     "concurrency": 4, "embedded_max_batch_size": 4, "extraction_id": f"demo-{prompts}"},
-        "train": {"max_tokens": 2048, "max_seq_len": 384, "epochs": 12, "ttt_steps": 3, "draft_vocab_size": 4096,
-                  "max_minutes": 3.0, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
+        "train": {"max_tokens": 2048, "max_seq_len": 384, "max_steps": DEMO_TRAIN_STEPS, "ttt_steps": 3,
+                  "draft_vocab_size": 4096, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
                   "eval_fraction": 0.1, "lr": 2e-3, "init": "target"},
         "export_formats": ["sglang"],
         "bench": {"num_prompts": 6, "max_new_tokens": 48, "concurrencies": [1], "target_concurrency": 1,
@@ -217,13 +225,25 @@ def _headline(summary: dict) -> str:
         return "skipped: done before" if stage.get("skipped") else f"{stage.get('seconds')} s"
 
     lines = [f"run folder:  {summary['run_dir']}",
-             f"extraction:  {ex.get('dir')} ({ex.get('done')} samples, {took(ex)})",
+             f"extraction:  {ex.get('dir')} ({took(ex)}): {samples_line(ex)}",
              f"store:       {st.get('url')} (version {st.get('version')}, {st.get('samples')} samples, {took(st)})",
              f"drafter:     {summary.get('export', {}).get('dirs')} (trained {tr.get('step')} steps, "
              f"{took(tr)}; held-out accept length {acc})",
              f"bench:       {be.get('output_dir')}/report.md  speedups {be.get('speedups')}  "
              f"accept length {be.get('accept_length')}"]
+    if tr.get("status") == "time_budget":
+        lines.append("training:    stopped by its time budget (a safety stop) before the schedule finished")
+    lines.append(f"note:        {lib.CPU_DEMO_NOTE}")
     return "\n".join(lines)
+
+
+def samples_line(ex: dict) -> str:
+    """'128 prompts read -> 67 samples (61 skipped: 58 too_long, 3 template; 0 bad records)'."""
+    skipped = ex.get("skipped_samples") or {}
+    why = ", ".join(f"{n} {k}" for k, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    head = f"{ex['records']} prompts read -> " if ex.get("records") else ""
+    detail = f"{sum(skipped.values())} skipped: {why}; " if skipped else ""
+    return f"{head}{ex.get('done')} samples ({detail}{ex.get('bad_records', 0)} bad records)"
 
 
 def main(argv: list[str] | None = None) -> int:
