@@ -11,8 +11,9 @@ plugin (launched by the extraction library, or the running capture server given 
 are captured (into --work, NOT $OUT: the shards are large), and the drafter is simulated on exactly those
 samples for chain depths 1..8 (:mod:`eaglenest.spec.calibration`). Writes $OUT/calibration.json and
 calibration.md: per prompt set the offline accept length per verify cycle (what SGLang reports) at each depth,
-and for every --live report (``report.json`` of scripts/gpu_bench_grid.py on the same set) offline, live and
-their ratio. Re-running with the same --work reuses the capture (only missing answers are generated).
+and for every --live report (scripts/gpu_bench_grid.py's ``matrix.json``, or one ``report.json``) offline, live
+and their ratio per prompt set, depth and concurrency. Re-running with the same --work reuses the capture
+(only missing answers are generated).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="target folder (the one the drafter was trained for)")
     ap.add_argument("--draft", required=True, help="exported EAGLE-3 drafter folder")
     ap.add_argument("--prompts", required=True, help="prompt source from `eaglenest bench prompts --format messages`")
-    ap.add_argument("--live", action="append", default=[], help="live report.json of the same prompts (repeatable)")
+    ap.add_argument("--live", action="append", default=[],
+                    help="live matrix.json / report.json of the same prompts (repeatable)")
     ap.add_argument("--server-url", action="append", default=[], help="running SGLang capture server (repeatable)")
     ap.add_argument("--server-capture-dir", default=None, help="where that server writes shards, if it does not say")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="the live grid's --max-new-tokens")

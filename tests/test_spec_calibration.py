@@ -83,3 +83,18 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
 def test_live_reports_of_a_tree_are_refused():
     with pytest.raises(ValueError, match="topk"):
         C.live_accepts({"prompt_set": "mt-bench", "spec": {"num_steps": 3, "topk": 4}, "eagle3": {"levels": []}})
+
+
+def test_a_grid_matrix_gives_one_live_row_per_set_steps_and_concurrency():
+    rows = [{"prompt_set": "mt-bench", "steps": k, "concurrency": c, "accept_length": 1.5 + k / 10}
+            for k in (1, 3) for c in (1, 16)] + [{"prompt_set": "humaneval", "steps": 3, "concurrency": 1,
+                                                  "accept_length": None}]
+    live = C.live_accepts({"rows": rows}, "matrix.json")
+    assert [(x.prompt_set, x.num_steps, x.concurrency) for x in live] == [
+        ("mt-bench", 1, 1), ("mt-bench", 1, 16), ("mt-bench", 3, 1), ("mt-bench", 3, 16)]
+    off = C.SetOffline(prompt_set="mt-bench", samples=2, target_agreement=1.0,
+                       by_depth={1: {"accept_length_cycles": 1.6, "accept_length": 1.7},
+                                 3: {"accept_length_cycles": 2.0, "accept_length": 2.4}})
+    table = C.side_by_side([off], live)
+    assert [round(r["ratio"], 4) for r in table] == [1.0, 1.0, round(2.0 / 1.8, 4), round(2.0 / 1.8, 4)]
+    assert table[2]["offline_per_start"] == 2.4

@@ -148,7 +148,12 @@ class LiveAccept:
 
 
 def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
-    """Per-concurrency live accept lengths of a bench report (``report.json`` of gpu_bench_grid / bench live)."""
+    """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
+    (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency)."""
+    if "rows" in report_json:
+        return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
+                           concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path)
+                for r in report_json["rows"] if r.get("accept_length") is not None]
     spec = report_json.get("spec") or {}
     if int(spec.get("topk", 1)) != 1:
         raise ValueError(f"{path}: topk {spec.get('topk')} is a tree, the simulator drafts a chain (topk 1)")
