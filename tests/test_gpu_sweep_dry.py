@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow  # two training processes on the tiny model: ~1-2 min on a shared 2-core machine
 def test_sweep_dry_run_on_the_cpu(tiny_extract_params, capture_servers, tmp_path, tiny_model_dir):
-    from eaglenest.extract_run import open_extraction, run_extraction
+    from eaglenest.extraction.run import run_extraction
+    from eaglenest.extraction.state import open_extraction
 
     params = tiny_extract_params.model_copy(update={"limit": 80})
     ext = open_extraction(params).dir

@@ -51,6 +51,7 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
                                          {"concurrency": 16, "accept_length": None}]}}
     (tmp_path / "report.json").write_text(json.dumps(live_report))
     settings = C.CaptureSettings(model=str(tiny_model_dir), server_urls=[url], max_new_tokens=40, dtype="float32",
+                                 answer_max_new_tokens=400,
                                  batch_size=8, concurrency=4)
     folder, _ = C.capture_answers(source, settings, work)
     store = open_store(str(folder))
@@ -98,3 +99,10 @@ def test_a_grid_matrix_gives_one_live_row_per_set_steps_and_concurrency():
     table = C.side_by_side([off], live)
     assert [round(r["ratio"], 4) for r in table] == [1.0, 1.0, round(2.0 / 1.8, 4), round(2.0 / 1.8, 4)]
     assert table[2]["offline_per_start"] == 2.4
+
+
+def test_answers_are_scored_up_to_the_live_cap():
+    import torch
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert C.cap_turns(mask, 3).int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1]

@@ -44,7 +44,11 @@ class CaptureSettings(BaseModel):
     model: str = Field("default", description="target: 'default' or a local HF folder")
     engine: Literal["embedded", "sglang"] = Field("embedded", description="capture engine (the serving engine)")
     server_urls: list[str] = Field([], description="already-running capture servers (default: launch one)")
-    max_new_tokens: int = Field(256, ge=1, le=8192, description="answer cap: the live benchmark's max_new_tokens")
+    max_new_tokens: int = Field(256, ge=1, le=8192, description=(
+        "answer cap: the live benchmark's max_new_tokens (the simulation scores the first this many answer tokens)"))
+    answer_max_new_tokens: int = Field(2048, ge=1, le=65536, description=(
+        "how long the target may answer at capture: the extraction skips an answer cut at its limit, so the answers "
+        "are generated whole and the simulation cuts them at max_new_tokens, as the live benchmark does"))
     max_tokens: int | None = Field(None, ge=8, description="prompt + answer token limit (default: the context)")
     batch_size: int = Field(256, ge=1, le=4096, description="samples per capture batch")
     concurrency: int = Field(64, ge=1, le=1024, description="requests in flight per server")
@@ -82,14 +86,15 @@ def read_prompt_source(path: str | Path) -> dict[str, str]:
 def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: str | Path, *,
                     on_progress=None) -> tuple[Path, dict[str, Any]]:
     """Let the target answer every prompt greedily and capture it; returns (extraction folder, report)."""
-    from eaglenest.extract_config import ExtractParams, RegenerationParams
-    from eaglenest.extract_run import run_extraction
+    from eaglenest.extraction.config import ExtractParams, RegenerationParams
+    from eaglenest.extraction.run import run_extraction
 
     params = ExtractParams(
         source=str(source), source_format="jsonl", limit=None, max_turns=1, model=settings.model,
         engine=settings.engine, server_urls=list(settings.server_urls), dtype=settings.dtype,
         batch_size=settings.batch_size, concurrency=settings.concurrency, max_tokens=settings.max_tokens,
-        regeneration=RegenerationParams(enabled=True, temperature=0.0, max_new_tokens=settings.max_new_tokens),
+        regeneration=RegenerationParams(enabled=True, temperature=0.0,
+                                        max_new_tokens=max(settings.answer_max_new_tokens, settings.max_new_tokens)),
         extraction_id=settings.extraction_id, output_dir=str(output_dir), sglang_args=list(settings.sglang_args),
         server_capture_dir=settings.server_capture_dir,
     )
@@ -114,15 +119,47 @@ class SetOffline:
         return d
 
 
+class _CappedAnswers:
+    """A store view whose answers (loss-masked turns) count only their first ``cap`` tokens: what a live
+    request with max_new_tokens=cap generates of the same greedy answer."""
+
+    def __init__(self, store, cap: int) -> None:
+        self._store, self._cap = store, cap
+        self.sample_ids = list(store.sample_ids)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __getitem__(self, i: int):
+        import dataclasses
+
+        s = self._store[i]
+        return dataclasses.replace(s, loss_mask=cap_turns(s.loss_mask, self._cap))
+
+
+def cap_turns(loss_mask, cap: int):
+    """``loss_mask`` with every run of answer tokens cut to its first ``cap`` tokens."""
+    out = loss_mask.clone()
+    run = 0
+    for t, on in enumerate(loss_mask.tolist()):
+        run = run + 1 if on else 0
+        if run > cap:
+            out[t] = False
+    return out
+
+
 def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAULT_DEPTHS,
-                         aux_layer_ids: Sequence[int] | None = None) -> list[SetOffline]:
-    """Simulate ``draft`` on every sample of ``store``, grouped by the prompt set in its sample id."""
+                         aux_layer_ids: Sequence[int] | None = None, answer_cap: int | None = None) -> list[SetOffline]:
+    """Simulate ``draft`` on every sample of ``store``, grouped by the prompt set in its sample id (answers
+    cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens)."""
     from eaglenest.spec.offline import simulate_depths
 
     if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
         raise ValueError(f"the captures hold aux layers {list(aux_layer_ids)}, the drafter reads "
                          f"{list(draft.config.aux_layer_ids)}: capture with the drafter's target settings")
     ids = list(getattr(store, "sample_ids", None) or [store[i].sample_id for i in range(len(store))])
+    if answer_cap is not None:
+        store = _CappedAnswers(store, answer_cap)
     groups: dict[str, list[int]] = {}
     for i, sid in enumerate(ids):
         groups.setdefault(sid.split(":", 1)[0] if ":" in sid else "samples", []).append(i)
@@ -242,7 +279,8 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
     dr, head = load_offline_draft(model_dir, draft)
     dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)
-    sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None))
+    sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
+                                answer_cap=settings.max_new_tokens)
     live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]
     sources = read_prompt_source(source)
     counts = {k: ext_report.get(k) for k in ("samples", "done", "pending", "skipped", "bad_records")}
