@@ -32,6 +32,7 @@ from eaglenest.cli import errors
 from eaglenest.extraction.config import ExtractParams
 from eaglenest.packaged_data import sha256_file
 from eaglenest.pipeline import (
+    CPU_DEMO_NOTE,
     BenchOutput,
     ConvertOutput,
     ExportOutput,
@@ -86,7 +87,9 @@ def _staged(book: StageBook, stage: Stage, key: str, log, why_skip: str, compute
 def _extract_stage(plan: PipelinePlan, book: StageBook, log) -> ExtractOutput:
     def compute() -> ExtractOutput:
         rep = extract(plan.extract)
-        return ExtractOutput(dir=rep["dir"], done=rep["done"], tokens=rep["tokens_done"], run=rep["run"])
+        return ExtractOutput(dir=rep["dir"], done=rep["done"], tokens=rep["tokens_done"], run=rep["run"],
+                             records=plan.extract.limit, skipped_samples=rep.get("skipped") or {},
+                             bad_records=rep.get("bad_records", 0))
 
     return _staged(book, "extract", extraction_key(plan), log,
                    f"extraction {plan.extract.resolved_extraction_id()} is complete", compute)
@@ -217,6 +220,8 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 
 # ------------------------------------------------------------------------------ make demo
 DEMO_PROMPTS = 40
+DEMO_TRAIN_STEPS = 96
+"""The demo's training is fixed work (sizes and steps), so a busy machine runs the same drafter, only slower."""
 
 
 def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> PipelineParams:
@@ -224,14 +229,15 @@ def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> Pipeline
 
     The data is the default recipe (the target answers the prompts itself) at its small size: first turns
     only, answers of at most 96 tokens (a longer answer is cut and its sample skipped), 384 tokens a sample:
-    the CPU decodes one answer at a time at a few dozen tokens per second."""
+    the CPU decodes one answer at a time at a few dozen tokens per second. Training is fixed work (sizes and
+    steps; the training stage's time budget stays a far-off safety stop)."""
     return PipelineParams.model_validate({
         "run_dir": out,
         "extract": {"recipe": "regenerate", "source": "sharegpt", "limit": prompts, "max_turns": 1,
                     "max_tokens": 384, "regeneration": {"max_new_tokens": 96}, "batch_size": 16,
                     "concurrency": 4, "embedded_max_batch_size": 4, "extraction_id": f"demo-{prompts}"},
-        "train": {"max_tokens": 2048, "max_seq_len": 384, "epochs": 12, "ttt_steps": 3, "draft_vocab_size": 4096,
-                  "max_minutes": 3.0, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
+        "train": {"max_tokens": 2048, "max_seq_len": 384, "max_steps": DEMO_TRAIN_STEPS, "ttt_steps": 3,
+                  "draft_vocab_size": 4096, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
                   "eval_fraction": 0.1, "lr": 2e-3, "init": "target"},
         "export_formats": ["sglang"],
         "bench": {"num_prompts": 6, "max_new_tokens": 48, "concurrencies": [1], "target_concurrency": 1,
@@ -245,17 +251,29 @@ def _headline(summary: PipelineSummary) -> str:
 
     lines = [f"run folder:  {summary.run_dir}"]
     if isinstance(ex := summary.extract, ExtractOutput):
-        lines.append(f"extraction:  {ex.dir} ({ex.done} samples, {took(ex)})")
+        lines.append(f"extraction:  {ex.dir} ({took(ex)}): {samples_line(ex)}")
     if st := summary.convert:
         lines.append(f"store:       {st.url} (version {st.version}, {st.samples} samples, {took(st)})")
     if tr := summary.train:
         drafter = summary.export.dirs if summary.export else None
         lines.append(f"drafter:     {drafter} (trained {tr.step} steps, {took(tr)}; held-out accept length "
                      f"{tr.accept_length or {}})")
+        if tr.status == "time_budget":
+            lines.append("training:    stopped by its time budget (a safety stop) before the schedule finished")
     if be := summary.bench:
         lines.append(f"bench:       {be.output_dir}/report.md  speedups {be.speedups}  "
                      f"accept length {be.accept_length}")
+    lines.append(f"note:        {CPU_DEMO_NOTE}")
     return "\n".join(lines)
+
+
+def samples_line(ex: ExtractOutput) -> str:
+    """'128 prompts read -> 67 samples (61 skipped: 58 too_long, 3 template; 0 bad records)'."""
+    skipped = ex.skipped_samples
+    why = ", ".join(f"{n} {k}" for k, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    head = f"{ex.records} prompts read -> " if ex.records else ""
+    detail = f"{sum(skipped.values())} skipped: {why}; " if skipped else ""
+    return f"{head}{ex.done} samples ({detail}{ex.bad_records} bad records)"
 
 
 def _params(a: argparse.Namespace) -> PipelineParams:

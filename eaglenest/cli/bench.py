@@ -123,15 +123,36 @@ def cpu(
                only=frozenset({"model", "draft", "num_steps", "store_url", "heldout_fraction", "offline_max_samples"}))
 def offline(
     params: BenchConfig,
+    prompt_set: Annotated[list[str] | None, typer.Option(
+        help="calibrate on a prompt set instead of a store (repeatable: mt-bench, humaneval, sharegpt): the target "
+             "answers it greedily on the capture engine and the drafter is simulated on exactly those answers")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(
+        help="the same from a prompt source written by `bench prompts --format messages` (offline machines)")] = None,
+    live: Annotated[list[Path] | None, typer.Option(
+        help="a live bench report.json or matrix.json of the same prompts (repeatable): offline and live side by "
+             "side")] = None,
+    depths: Annotated[str, typer.Option(help="chain depths to simulate on prompt sets")] = "1,2,3,4,5,6,7,8",
+    engine: Annotated[str, typer.Option(help="capture engine for prompt sets: embedded | sglang")] = "embedded",
+    server_url: Annotated[list[str] | None, typer.Option(help="running capture server (repeatable)")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="first N prompts of each set")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="answer cap (the live benchmark's max_new_tokens)")] = 256,
+    out: Annotated[Path, typer.Option(help="folder: calibration.json/.md and the capture")] = Path("runs/calibration"),
     live_check: Annotated[int, typer.Option(help="also decode this many held-out prompts live (calibration)")] = 0,
     live_tokens: Annotated[int, typer.Option(help="new tokens per live-checked prompt")] = 64,
 ) -> None:
-    """Teacher-forced accept length of a drafter on a store's held-out samples (+ live calibration)."""
+    """Simulated accept length of a drafter: on a store's held-out split, or calibrated on prompt sets."""
     from eaglenest.speculative.bench import model_path, offline_step
 
     cfg = params
+    if prompt_set or prompts_file:
+        _offline_on_prompts(draft=cfg.draft, prompt_sets=prompt_set or [], prompts_file=prompts_file,
+                            live=live or [], model=cfg.model, depths=[int(x) for x in depths.split(",") if x],
+                            engine=engine, server_urls=server_url or [], num_prompts=num_prompts,
+                            max_new_tokens=max_new_tokens, out=out)
+        return
     if cfg.store_url is None:
-        raise typer.BadParameter("give the store to read held-out samples from", param_hint="--store")
+        raise typer.BadParameter("give the store to read held-out samples from (or --prompt-set / --prompts-file "
+                                 "to calibrate on prompt sets)", param_hint="--store")
     res = offline_step(cfg)
     typer.echo(json.dumps(res, indent=1))
     if live_check:
@@ -146,27 +167,62 @@ def offline(
         by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
         samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
         runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(cfg.draft))
-        live = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, num_steps=cfg.num_steps), samples,
-                                      max_new_tokens=live_tokens)
-        typer.echo(f"live on {len(samples)} held-out prompts: accept length {live.accept_length:.3f} "
-                   f"({live.cycles} verify cycles, per-position {[round(x, 3) for x in live.acceptance_at]})")
-        typer.echo(json.dumps(calibrate(res["accept_length"], live.accept_length).to_json()))
+        live_res = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, num_steps=cfg.num_steps), samples,
+                                          max_new_tokens=live_tokens)
+        typer.echo(f"live on {len(samples)} held-out prompts: accept length {live_res.accept_length:.3f} "
+                   f"({live_res.cycles} verify cycles, per-position {[round(x, 3) for x in live_res.acceptance_at]})")
+        typer.echo(json.dumps(calibrate(res["accept_length_cycles"], live_res.accept_length).to_json()))
+
+
+def _offline_on_prompts(*, draft, prompt_sets, prompts_file, live, model, depths, engine, server_urls, num_prompts,
+                        max_new_tokens, out) -> None:
+    from eaglenest.speculative import calibration as C
+    from eaglenest.speculative import prompts as P
+
+    source = prompts_file
+    if prompt_sets:
+        source = C.write_prompt_source(out / "prompts.jsonl",
+                                       [P.load_prompt_set(n, limit=num_prompts) for n in prompt_sets])
+    settings = C.CaptureSettings(model=model, engine=engine, server_urls=server_urls, max_new_tokens=max_new_tokens)
+    report = C.calibrate_on_prompts(source=source, draft=draft, settings=settings, work_dir=out, live_reports=live,
+                                    depths=depths)
+    path = C.write_calibration(report, out)
+    typer.echo(C.markdown(report))
+    typer.echo(f"files: {path}, {path.with_suffix('.md')}")
 
 
 @app.command()
 def prompts(
-    out: Annotated[Path, typer.Option(help="token JSONL to write")],
-    prompt_set: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt")] = "mt-bench",
+    out: Annotated[Path, typer.Option(help="JSONL to write")],
+    prompt_set: Annotated[list[str] | None, typer.Option(
+        help="mt-bench | humaneval | sharegpt (repeatable with --format messages)")] = None,
     model: Annotated[str, typer.Option(help="target whose chat template tokenizes")] = "default",
-    limit: Annotated[int | None, typer.Option(help="first N prompts")] = None,
+    limit: Annotated[int | None, typer.Option(help="first N prompts (of each set)")] = None,
+    format: Annotated[str, typer.Option(
+        help="ids: chat-templated token ids for `bench live` / gpu_bench_grid.py; messages: the prompt source for "
+             "`bench offline --prompts-file` / gpu_calibrate.py (the target answers it on the capture engine)",
+    )] = "ids",
 ) -> None:
-    """Tokenize a named prompt set (chat template) into a file that travels to the GPU machine."""
+    """Write a named prompt set to a file that travels to the GPU machine (which has no network)."""
+    from eaglenest.speculative import prompts as P
+
+    names = prompt_set or ["mt-bench"]
+    if format == "messages":
+        from eaglenest.speculative.calibration import write_prompt_source
+
+        sets = [P.load_prompt_set(n, limit=limit) for n in names]
+        write_prompt_source(out, sets)
+        typer.echo(f"{out}: " + ", ".join(f"{len(s.prompts)} prompts of {s.name}" for s in sets))
+        return
+    if format != "ids":
+        raise typer.BadParameter(f"--format {format!r}: choose ids or messages")
+    if len(names) != 1:
+        raise typer.BadParameter("--format ids writes one prompt set per file")
     from transformers import AutoTokenizer
 
     from eaglenest.models import resolve_model
-    from eaglenest.speculative import prompts as P
 
-    ps = P.load_prompt_set(prompt_set, limit=limit)
+    ps = P.load_prompt_set(names[0], limit=limit)
     ids = P.tokenize(ps, AutoTokenizer.from_pretrained(str(resolve_model(model))))
     P.write_token_file(out, ps, ids)
     typer.echo(f"{out}: {len(ids)} prompts of {ps.name} ({ps.source})")

@@ -90,7 +90,8 @@ def serve(
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="working folder")] = Path("runs/demo"),
+    out: Annotated[Path, typer.Option(help="working folder (make demo's pipeline uses runs/demo)")] = Path(
+        "runs/demo-capture"),
     port: Annotated[int, typer.Option(help="port for the embedded server")] = 0,
 ) -> None:
     """Serve the real SmolLM2 on the embedded engine and capture one chat prompt."""

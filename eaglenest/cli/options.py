@@ -91,6 +91,12 @@ def _option(path: tuple[str, ...], field: Any, names: Mapping[str, str]) -> _Fie
         convert = parse_ids
         default = ",".join(str(i) for i in default) if default else None
         kw["metavar"] = "INT,INT,..."
+    elif get_origin(base) is dict and get_args(base) == (str, str):
+        annotation = list[str] | None
+        convert = parse_pairs
+        default = None
+        kw["metavar"] = "NAME=VALUE"
+        kw["help"] = f"{kw['help']} (repeatable NAME=VALUE)".strip()
     elif get_origin(base) is list:
         annotation = list[str] | None
         convert = lambda v: list(v or [])  # noqa: E731
@@ -113,6 +119,17 @@ def _option(path: tuple[str, ...], field: Any, names: Mapping[str, str]) -> _Fie
     param = inspect.Parameter(pyname, inspect.Parameter.KEYWORD_ONLY, default=default,
                               annotation=Annotated[annotation, typer.Option(flag, **kw)])
     return _Field(path, param, convert)
+
+
+def parse_pairs(values: list[str] | None) -> dict[str, str]:
+    """``NAME=VALUE`` options (repeatable) as a dict; a value without ``=`` is a usage error naming it."""
+    out: dict[str, str] = {}
+    for v in values or []:
+        key, sep, value = v.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{v!r}: expected NAME=VALUE")
+        out[key.strip()] = value
+    return out
 
 
 def model_fields_as_options(model: type[BaseModel], names: Mapping[str, str] = {}, skip: frozenset[str] = frozenset(),

@@ -46,7 +46,8 @@ def _overrides(rest: dict) -> dict:
 
 
 @app.command("train")
-@model_command(TrainConfig, names={"out_dir": "--out", "draft_vocab_size": "--draft-vocab"}, extra=_overrides)
+@model_command(TrainConfig, names={"out_dir": "--out", "draft_vocab_size": "--draft-vocab", "eval_sets": "--eval-set"},
+               extra=_overrides)
 def train_command(
     params: TrainConfig,
     set_: Annotated[list[str] | None, typer.Option("--set", help="a TrainConfig field as FIELD=VALUE")] = None,

@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 RESUME_MUTABLE = frozenset({
     "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
-    "threads", "device", "check_store_sha256",
+    "threads", "device", "check_store_sha256", "eval_sets",
 })
-"""Locations (content is checked separately: store fingerprint, target model hash) and pacing."""
+"""Locations (content is checked separately: store fingerprint, target model hash), pacing, and what is
+evaluated besides training (eval sets are only scored, never trained on)."""
 
 
 class TrainConfig(BaseModel):
@@ -59,6 +60,12 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="Seed of initialisation and data order.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of sample ids held out.")
     eval_max_samples: int = Field(200, ge=0, description="Cap on held-out samples (the rest train).")
+    eval_sets: dict[str, str] = Field(
+        {}, description="Extra evaluation sets, never trained on: {name: store URL or extraction folder}, e.g. the "
+        "MT-Bench / HumanEval captures of `bench offline --prompt-set` (the target's greedy answers); each is scored "
+        "like the held-out split (first eval_max_samples samples) and logged per name in metrics.jsonl. A store "
+        "holding several prompt sets (sample ids '<set>:<id>', as the calibration capture writes) contributes "
+        "the samples of the set named like the key.")
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
     save_every: int = Field(100, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=2, description="Complete checkpoints kept (>= 2).")
@@ -73,6 +80,8 @@ class TrainConfig(BaseModel):
         if self.max_seq_len > self.max_tokens:
             raise ValueError(f"max_seq_len ({self.max_seq_len}) must be <= max_tokens ({self.max_tokens}): "
                              "a micro-batch must hold at least one full sample")
+        if "heldout" in self.eval_sets:
+            raise ValueError("eval_sets: 'heldout' names the training store's own held-out split; pick another name")
         if self.eval_fraction > 0 and self.eval_max_samples == 0:
             raise ValueError("eval_fraction > 0 needs eval_max_samples > 0 (or set eval_fraction=0)")
         return self

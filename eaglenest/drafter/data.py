@@ -20,7 +20,30 @@ from eaglenest import contract
 from eaglenest.drafter.ttt import Batch
 from eaglenest.store.sampler import LengthBucketSampler
 
-__all__ = ["BatchStream", "collate"]
+__all__ = ["BatchStream", "collate", "prompt_set_view"]
+
+
+class _View:
+    """Read-only subset of a store (same sample interface), by store index."""
+
+    def __init__(self, store, indices: Sequence[int]) -> None:
+        self._store, self._idx = store, list(indices)
+        self.provenance = store.provenance
+        self.sample_ids = [store.sample_ids[i] for i in self._idx]
+        self.num_tokens = [int(store.num_tokens[i]) for i in self._idx]
+
+    def __len__(self) -> int:
+        return len(self._idx)
+
+    def __getitem__(self, i: int):
+        return self._store[self._idx[i]]
+
+
+def prompt_set_view(store, name: str):
+    """The samples of prompt set ``name`` when the store holds several (calibration captures name their
+    samples ``<set>:<id>``), else the whole store."""
+    idx = [i for i, sid in enumerate(store.sample_ids) if str(sid).startswith(f"{name}:")]
+    return _View(store, idx) if idx and len(idx) < len(store) else store
 
 
 def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype,

@@ -10,6 +10,7 @@ corresponds to depth 3 (``--speculative-num-draft-tokens 4`` counts the root).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -17,7 +18,7 @@ import torch
 
 from eaglenest.drafter.data import collate
 from eaglenest.drafter.model import Eagle3Drafter
-from eaglenest.drafter.ttt import accept_lengths, target_rows, ttt_forward
+from eaglenest.drafter.ttt import accept_lengths, accepted_drafts, cycle_walk, target_rows, ttt_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,13 +31,18 @@ class EvalResult:
     step_acc: list[float]
     """Top-1 agreement with the target's argmax per TTT step (out-of-vocabulary targets count as misses)."""
     accept_length: dict[int, float]
-    """Simulated accept length (bonus token included) per draft depth 1..k."""
+    """Simulated accept length (bonus token included) per draft depth 1..k, averaged over anchors."""
+    accept_length_cycles: dict[int, float] = dataclasses.field(default_factory=dict)
+    """The same per verify cycle of a live greedy decode (:func:`~eaglenest.drafter.ttt.cycle_walk`):
+    the estimate that predicts SGLang's accept length on data the target generated greedily."""
+    cycles: int = 0
     target_in_vocab: float = float("nan")
     """Share of counted step-0 rows whose target argmax is in the draft vocabulary (the ceiling of step_acc[0])."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["accept_length"] = {str(k): v for k, v in self.accept_length.items()}
+        d["accept_length_cycles"] = {str(k): v for k, v in self.accept_length_cycles.items()}
         return d
 
 
@@ -73,6 +79,7 @@ def evaluate(
     lengths = [min(int(store.num_tokens[i]), max_seq_len) for i in indices]
     loss_sum, kept, correct, counted = [0.0] * k, [0] * k, [0] * k, [0] * k
     al_sum, anchors, tokens = [0.0] * k, 0, 0
+    cyc_sum, cyc_n = [0] * k, [0] * k
     draft_ids = model.to_target_ids(torch.arange(model.config.draft_vocab_size, device=device))
     try:
         for group in eval_batches(lengths, max_tokens):
@@ -88,8 +95,14 @@ def evaluate(
                 loss_sum[i] += float(res.loss_sum)
                 correct[i] += res.correct
                 counted[i] += res.counted
+            masks = [m[:n].tolist() for m, n in zip(batch.loss_mask.cpu(), batch.lengths.tolist(), strict=True)]
             for d in range(1, k + 1):
                 al_sum[d - 1] += accept_lengths(results, rows, d)[0]
+                acc = accepted_drafts(results, d).cpu()
+                for b, m in enumerate(masks):
+                    walk = cycle_walk(m, acc[b, : len(m)].tolist())
+                    cyc_sum[d - 1] += sum(walk) + len(walk)
+                    cyc_n[d - 1] += len(walk)
             anchors += accept_lengths(results, rows, 1)[1]
     finally:
         model.train(was_training)
@@ -99,4 +112,7 @@ def evaluate(
         step_acc=[correct[i] / max(counted[i], 1) for i in range(k)],
         accept_length={d: (al_sum[d - 1] / anchors if anchors else float("nan")) for d in range(1, k + 1)},
         target_in_vocab=kept[0] / max(counted[0], 1),
+        accept_length_cycles={d: (cyc_sum[d - 1] / cyc_n[d - 1] if cyc_n[d - 1] else float("nan"))
+                              for d in range(1, k + 1)},
+        cycles=cyc_n[0],
     )

@@ -11,9 +11,12 @@ from pathlib import Path
 
 from eaglenest import contract
 
+HELDOUT = "heldout"  # the set name of the training store's own held-out split (older runs wrote none)
+
 
 def read_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
-    """{"train": [...], "eval": [...]} sorted by step, last record per step."""
+    """{"train": [...], "eval": [held-out...], "eval:<set>": [...] per extra eval set}, each sorted by
+    step, last record per step."""
     path = Path(run_dir) / "metrics.jsonl"
     latest: dict[tuple[str, int], dict] = {}
     if path.is_file():
@@ -22,12 +25,40 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a torn last line
                 continue
-            if rec.get("kind") in ("train", "eval"):
-                latest[(rec["kind"], int(rec["step"]))] = rec
+            if rec.get("kind") == "train":
+                latest[("train", int(rec["step"]))] = rec
+            elif rec.get("kind") == "eval":
+                name = rec.get("set", HELDOUT)
+                latest[("eval" if name == HELDOUT else f"eval:{name}", int(rec["step"]))] = rec
     out: dict[str, list[dict]] = {"train": [], "eval": []}
     for (kind, _), rec in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        out[kind].append(rec)
+        out.setdefault(kind, []).append(rec)
     return out
+
+
+def shown_depths(depths: list[int]) -> list[int]:
+    """The accept-length depths a panel draws: 1, 2, 3 and the deepest, each once, those that exist."""
+    return sorted({d for d in (1, 2, 3, max(depths)) if d in depths}) if depths else []
+
+
+def draw_accept_lengths(ax, m: dict[str, list[dict]]) -> list[str]:
+    """Held-out accept length per shown depth, and each eval set's at depth 3 (dashed); returns the labels."""
+    labels = []
+    evs = m.get("eval") or []
+    if evs:
+        for d in shown_depths(sorted(int(x) for x in evs[-1]["accept_length"])):
+            ax.plot([e["step"] for e in evs], [e["accept_length"][str(d)] for e in evs], marker="o",
+                    label=f"held-out depth {d}")
+            labels.append(f"held-out depth {d}")
+    for kind in sorted(k for k in m if k.startswith("eval:")):
+        evs = m[kind]
+        d = str(min(3, max(int(x) for x in evs[-1]["accept_length"])))
+        ax.plot([e["step"] for e in evs], [e["accept_length"][d] for e in evs], ls="--", marker="s",
+                label=f"{kind[5:]} depth {d}")
+        labels.append(f"{kind[5:]} depth {d}")
+    if labels:
+        ax.legend(loc="lower right")
+    return labels
 
 
 def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
@@ -53,16 +84,10 @@ def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     ax.legend(loc="upper right")
-    if m["eval"]:
-        evs = m["eval"]
-        depths = sorted(int(d) for d in evs[-1]["accept_length"])
-        for d in (1, 3, depths[-1]) if len(depths) >= 3 else depths:
-            values = [e["accept_length"][str(d)] for e in evs]
-            ax2.plot([e["step"] for e in evs], values, marker="o", label=f"depth {d}")
-        ax2.legend(loc="lower right")
+    draw_accept_lengths(ax2, m)
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("simulated accept length (bonus incl.)")
-    ax2.set_title("held-out accept length")
+    ax2.set_title("accept length (held-out and eval sets)")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
@@ -81,4 +106,65 @@ def summary_rows(result: dict) -> list[dict]:
         rows.append({"metric": f"held-out accept length @ depth {d}", "value": round(v, 4)})
     for i, a in enumerate(ev.get("step_acc") or []):
         rows.append({"metric": f"held-out step-{i} accuracy", "value": round(a, 4)})
+    for name, es in (result.get("eval_sets") or {}).items():
+        for d, v in (es.get("accept_length_cycles") or {}).items():
+            rows.append({"metric": f"{name} accept length per cycle @ depth {d}", "value": round(v, 4)})
+    if result.get("note"):
+        rows.append({"metric": "stopped because", "value": result["note"]})
     return rows
+
+
+def eval_curves(run_dir: str | Path) -> dict[str, list[dict]]:
+    """Per eval set ('heldout' and each extra set): [{step, train_tokens, accept_length, accept_length_cycles}]
+    in step order; train_tokens comes from the eval record (or the cumulative train records before it)."""
+    m = read_metrics(run_dir)
+    seen, cum = 0, {}
+    for r in m["train"]:
+        seen += int(r.get("tokens", 0))
+        cum[int(r["step"])] = seen
+    out = {}
+    for kind, evs in m.items():
+        if kind != "eval" and not kind.startswith("eval:"):
+            continue
+        name = HELDOUT if kind == "eval" else kind[5:]
+        out[name] = [{"step": e["step"], "train_tokens": e.get("train_tokens", cum.get(int(e["step"]), 0)),
+                      "accept_length": e["accept_length"], "accept_length_cycles": e.get("accept_length_cycles", {})}
+                     for e in evs]
+    return out
+
+
+def plot_sweep(curves: dict[str, dict[str, list[dict]]], png: str | Path, depths: tuple[int, ...] = (3, 7)) -> Path:
+    """One panel per eval set: accept length per verify cycle (what live decoding reports) against training
+    tokens, one colour per config, solid/dashed per depth. ``curves``: {config: eval_curves(run)}."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({s for c in curves.values() for s in c}, key=lambda s: (s != HELDOUT, s))
+    fig, axes = plt.subplots(1, max(1, len(sets)), figsize=(5.5 * max(1, len(sets)), 4.2), squeeze=False)
+    styles = ("-", "--", ":", "-.")
+    for ax, name in zip(axes[0], sets, strict=False):
+        for ci, (cfg, c) in enumerate(sorted(curves.items())):
+            pts = c.get(name) or []
+            for di, d in enumerate(depths):
+                ys = [(p["train_tokens"], (p["accept_length_cycles"] or p["accept_length"]).get(str(d))) for p in pts]
+                ys = [(x, y) for x, y in ys if y is not None]
+                if ys:
+                    ax.plot([x / 1e6 for x, _ in ys], [y for _, y in ys], styles[di % 4], color=f"C{ci % 10}",
+                            marker="o", ms=3, label=f"{cfg} @{d}")
+        ax.set_title(f"{name}: accept length per verify cycle")
+        ax.set_xlabel("training tokens (M)")
+        ax.set_ylabel("accept length (bonus incl.)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    contract.atomic_write_bytes(png, buf.getvalue())
+    return png

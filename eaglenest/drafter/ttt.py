@@ -17,13 +17,19 @@ Loss of step i = sum over counted rows of KL(p_target || q_draft), rows whose ta
 outside the draft vocabulary excluded (SpecForge's position mask); the caller divides by the
 global number of counted rows (``step_counts``) and weighs step i by ``decay ** i``.
 Accuracy of step i: draft argmax (mapped to target ids) == target argmax over the FULL vocabulary.
-Simulated accept length at depth d: 1 + the number of leading steps that match, averaged over
-anchors whose step-0 row counts (bonus token included; exact for data the target generated greedily,
-teacher-forced otherwise).
+Simulated accept length at depth d: 1 + the number of leading steps that match (bonus token
+included; exact for data the target generated greedily, teacher-forced otherwise), averaged two ways:
+- per anchor (:func:`accept_lengths`): every anchor whose step-0 row counts weighs the same;
+- per verify cycle (:func:`cycle_walk`): the anchors a live greedy decode would actually draft from.
+  Live decoding starts a cycle at the first answer token, accepts ``a`` drafts, and starts the next
+  cycle ``a + 1`` tokens later, so easy stretches are crossed in few cycles and hard ones in many:
+  the per-cycle mean (what SGLang reports: (accepted drafts + verifies) / verifies) is lower than the
+  per-anchor mean whenever acceptance varies along the answer. It is the estimate that predicts live.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -178,13 +184,48 @@ def _step_loss(model: Eagle3Drafter, out: torch.Tensor, rows: TargetRows, i: int
     return StepResult(loss_sum=loss_sum, correct=int(hit.sum()), counted=int(r.numel()), match=match)
 
 
-def accept_lengths(results: list[StepResult], rows: TargetRows, depth: int) -> tuple[float, int]:
-    """(sum of simulated accept lengths, number of anchors) at draft depth ``depth`` (bonus included)."""
-    anchors = shift_left(rows.row_of, 1, fill=-1) >= 0  # [B, T]
-    run = torch.ones_like(anchors)
-    accepted = torch.zeros(anchors.shape, dtype=torch.int64, device=anchors.device)
+def accepted_drafts(results: list[StepResult], depth: int) -> torch.Tensor:
+    """[B, T] int64: leading matching steps (accepted drafts) of the chain anchored at t, at most ``depth``."""
+    run = torch.ones_like(results[0].match)
+    accepted = torch.zeros(run.shape, dtype=torch.int64, device=run.device)
     for res in results[:depth]:
         run = run & res.match
         accepted += run
+    return accepted
+
+
+def accept_lengths(results: list[StepResult], rows: TargetRows, depth: int) -> tuple[float, int]:
+    """(sum of simulated accept lengths, number of anchors) at draft depth ``depth`` (bonus included)."""
+    anchors = shift_left(rows.row_of, 1, fill=-1) >= 0  # [B, T]
+    accepted = accepted_drafts(results, depth)
     n = int(anchors.sum())
     return float((1 + accepted[anchors]).sum()), n
+
+
+def cycle_walk(loss_mask: Sequence[bool], accepted: Sequence[int]) -> list[int]:
+    """Accepted drafts of each verify cycle of the live greedy decode that wrote this sample's answers.
+
+    ``loss_mask`` [T]: the answer tokens (each maximal run is one turn the target generated, its last
+    token the end of turn or the length cap); ``accepted`` [T]: accepted drafts of the chain whose root
+    is token ``t + 1`` (anchor t). A turn's first token comes from the prefill; a cycle rooted at token
+    r accepts ``a`` drafts (never past the turn's last token e) and the next root is ``r + a + 1``; a
+    root at e is never drafted from (the request has ended).
+    """
+    mask = [bool(m) for m in loss_mask]
+    out: list[int] = []
+    t_len = len(mask)
+    s = 0
+    while s < t_len:
+        if not mask[s] or s == 0:
+            s += 1
+            continue
+        e = s
+        while e + 1 < t_len and mask[e + 1]:
+            e += 1
+        r = s
+        while r < e:
+            a = min(int(accepted[r - 1]), e - r)
+            out.append(a)
+            r += a + 1
+        s = e + 1
+    return out

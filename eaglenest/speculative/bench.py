@@ -68,6 +68,12 @@ class BenchConfig(BaseModel):
     store_url: str | None = Field(None, description="store for the offline accept length (optional)")
     heldout_fraction: float = Field(0.05, gt=0, le=1, description="the drafter's eval_fraction (held-out split)")
     offline_max_samples: int = Field(200, ge=1, description="the drafter's eval_max_samples (held-out cap)")
+    offline_on_prompts: bool = Field(
+        False, description="offline accept length on THIS run's prompts: the target answers the prompt set greedily "
+        "on the capture engine (same engine, same answer cap), the answers are captured and the drafter is "
+        "simulated on exactly them (the calibration; needs a named prompt_set, not a prompt_file)")
+    capture_server_urls: list[str] = Field([], description="offline_on_prompts: running capture servers "
+                                           "(default: launch one for the engine)")
 
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
@@ -82,6 +88,10 @@ class BenchConfig(BaseModel):
                              f"{self.concurrencies}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
+        if self.offline_on_prompts and self.prompt_file:
+            raise ValueError("offline_on_prompts: the target answers the named prompt_set's messages; a prompt_file "
+                             "holds token ids only (drop prompt_file, or write the set with `bench prompts --format "
+                             "messages` and use `bench offline --prompts-file`)")
         return self
 
     @property
@@ -166,7 +176,10 @@ def pidfile(cfg: BenchConfig) -> Path:
 
 
 def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
-    """Offline accept length of the drafter on the store's held-out samples (None without a store)."""
+    """Offline accept length of the drafter: on this run's prompts (``offline_on_prompts``), else on the
+    store's held-out samples (None without either)."""
+    if cfg.offline_on_prompts:
+        return _offline_on_prompts(cfg)
     if not cfg.store_url:
         return None
     from eaglenest.speculative.offline import load_offline_draft, offline_accept_length
@@ -181,6 +194,36 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
     return res.to_json()
 
 
+def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
+    from eaglenest.speculative import calibration as C
+    from eaglenest.speculative import prompts as P
+
+    work = Path(cfg.output_dir) / "calibration"
+    ps = P.load_prompt_set(cfg.prompt_set, limit=cfg.num_prompts)
+    source = C.write_prompt_source(work / "prompts.jsonl", [ps])
+    settings = C.CaptureSettings(model=cfg.model, engine=cfg.engine, server_urls=cfg.capture_server_urls,
+                                 max_new_tokens=cfg.max_new_tokens, sglang_args=cfg.sglang_args)
+    report = C.calibrate_on_prompts(source=source, draft=cfg.draft, settings=settings, work_dir=work,
+                                    depths=sorted({*C.DEFAULT_DEPTHS, cfg.num_steps}))
+    C.write_calibration(report, work)
+    (one,) = report.sets
+    at = one.by_depth[cfg.num_steps]
+    return {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": cfg.num_steps,
+            "accept_length_cycles": at["accept_length_cycles"], "accept_length": at["accept_length"],
+            "cycles": at["cycles"], "target_agreement": one.target_agreement,
+            "by_depth": {str(d): v["accept_length_cycles"] for d, v in one.by_depth.items()},
+            "calibration_dir": str(work)}
+
+
+def recorded_config(cfg: BenchConfig, prompts: Prompts) -> BenchConfig:
+    """The config as run: a prompt file's own set name replaces the unused ``prompt_set`` default."""
+    from eaglenest.speculative.prompts import PROMPT_SETS
+
+    if cfg.prompt_file and prompts.name in PROMPT_SETS:
+        return cfg.model_copy(update={"prompt_set": prompts.name})
+    return cfg
+
+
 def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict[str, Any] | None = None):
     from eaglenest.speculative.report import BenchReport
 
@@ -189,11 +232,14 @@ def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict
         spec={"num_steps": cfg.num_steps, "topk": cfg.topk, "num_draft_tokens": cfg.spec.draft_tokens},
         prompt_set=prompts.name, prompt_source=prompts.source, num_prompts=len(prompts.token_ids),
         max_new_tokens=cfg.max_new_tokens, baseline=baseline, eagle3=eagle3, offline=offline,
-        notes=[f"config: {cfg.model_dump_json()}"],
+        notes=[f"config: {recorded_config(cfg, prompts).model_dump_json()}"],
     )
     live = report.live_accept_length()
-    if offline and live:
+    from eaglenest.speculative.report import offline_estimate
+
+    est = offline_estimate(offline) if offline else None
+    if est and live:
         from eaglenest.speculative.offline import calibrate
 
-        report = dataclasses.replace(report, calibration=calibrate(offline["accept_length"], live).to_json())
+        report = dataclasses.replace(report, calibration=calibrate(est, live).to_json())
     return report

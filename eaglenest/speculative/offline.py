@@ -22,6 +22,7 @@ bonus token, as everywhere in eaglenest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
+from eaglenest.drafter.ttt import cycle_walk
 from eaglenest.speculative.draft import load_exported_drafter, target_embedding, target_lm_head
 
 
@@ -123,32 +125,52 @@ class SampleChains:
     agree: int
     """Loss tokens whose data token is the target's greedy choice."""
     loss_tokens: int
+    cycles: list[int] = dataclasses.field(default_factory=list)
+    """Accepted drafts per verify cycle of the live greedy decode (:func:`~eaglenest.drafter.ttt.cycle_walk`)."""
 
 
-def score_sample(draft: Eagle3Drafter, lm_head: torch.Tensor, sample: SampleLike, num_steps: int) -> SampleChains:
+def sample_drafts(draft: Eagle3Drafter, lm_head: torch.Tensor, sample: SampleLike, num_steps: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(g [T]: the target's greedy next token at each position, drafts [T-1, num_steps] or None)."""
+    x = sample.input_ids.long()  # [T]
+    with torch.inference_mode():
+        g = (sample.final_hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T).argmax(-1).cpu()  # [T] next token
+        drafts = chain_drafts(draft, x, sample.aux_hidden, num_steps).cpu() if x.shape[0] > 1 else None
+    return g, drafts
+
+
+def chains_at_depth(sample: SampleLike, g: torch.Tensor, drafts: torch.Tensor | None, num_steps: int
+                    ) -> SampleChains:
+    """Score every start (and the live cycle walk) using the first ``num_steps`` drafts of each chain."""
     x = sample.input_ids.long()  # [T]
     t_len = x.shape[0]
     mask = sample.loss_mask.bool()  # [T]
-    with torch.inference_mode():
-        g = (sample.final_hidden.to(lm_head.dtype) @ lm_head.T).argmax(-1).cpu()  # [T]: target's next token
-        drafts = chain_drafts(draft, x, sample.aux_hidden, num_steps).cpu() if t_len > 1 else None  # [T-1, k]
     agree = int(((g[:-1] == x[1:]) & mask[1:]).sum())
     accepted, censored = [], []
-    for t in range(0, t_len - num_steps):
+    lead = [0] * t_len  # accepted drafts of the chain rooted at t + 1, for the cycle walk
+    for t in range(0, t_len - 1):
         if not mask[t + 1]:
             continue
         a, cut = 0, False
-        for j in range(1, num_steps + 1):
+        for j in range(1, min(num_steps, t_len - 1 - t) + 1):
             dj = int(drafts[t, j - 1])
             if dj != int(g[t + j]):
                 break
             a = j
-            if j < num_steps and int(x[t + j + 1]) != dj:
+            if j < num_steps and t + j + 1 < t_len and int(x[t + j + 1]) != dj:
                 cut = True
                 break
-        accepted.append(a)
-        censored.append(cut)
-    return SampleChains(accepted=accepted, censored=censored, agree=agree, loss_tokens=int(mask[1:].sum()))
+        lead[t] = a
+        if t < t_len - num_steps:  # the survival estimate uses chains whose k labels all exist
+            accepted.append(a)
+            censored.append(cut)
+    return SampleChains(accepted=accepted, censored=censored, agree=agree, loss_tokens=int(mask[1:].sum()),
+                        cycles=cycle_walk(mask.tolist(), lead))
+
+
+def score_sample(draft: Eagle3Drafter, lm_head: torch.Tensor, sample: SampleLike, num_steps: int) -> SampleChains:
+    g, drafts = sample_drafts(draft, lm_head, sample, num_steps)
+    return chains_at_depth(sample, g, drafts, num_steps)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +179,7 @@ class OfflineResult:
     chains: int
     num_steps: int
     accept_length: float
-    """Survival estimate 1 + sum_j prod_{i<=j} p_i (bonus counted); censoring-robust."""
+    """Survival estimate 1 + sum_j prod_{i<=j} p_i (bonus counted) over every start; censoring-robust."""
     accept_length_lower: float
     """Mean of (accepted + 1) counting censored chains as stopped (a lower bound)."""
     conditional_at: tuple[float, ...]
@@ -165,16 +187,22 @@ class OfflineResult:
     target_agreement: float
     """Share of loss tokens equal to the target's greedy choice (1.0 on regenerated data)."""
     sample_ids: tuple[str, ...]
+    accept_length_cycles: float = float("nan")
+    """Mean (accepted + 1) over the verify cycles a live greedy decode runs (bonus counted): what
+    SGLang reports. Exact on data the target generated greedily (target_agreement 1.0); the number to
+    compare with live. Lower than ``accept_length`` when acceptance varies along an answer."""
+    cycles: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequence[str]) -> OfflineResult:
-    accepted, censored, agree, loss = [], [], 0, 0
+    accepted, censored, cycles, agree, loss = [], [], [], 0, 0
     for c in chains:
         accepted += c.accepted
         censored += c.censored
+        cycles += c.cycles
         agree += c.agree
         loss += c.loss_tokens
     cond = []
@@ -186,7 +214,9 @@ def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequen
     return OfflineResult(samples=len(sample_ids), chains=n, num_steps=num_steps, accept_length=survival,
                          accept_length_lower=(sum(accepted) + n) / n if n else 0.0, conditional_at=tuple(cond),
                          censored_share=sum(censored) / n if n else 0.0,
-                         target_agreement=agree / loss if loss else 0.0, sample_ids=tuple(sample_ids))
+                         target_agreement=agree / loss if loss else 0.0, sample_ids=tuple(sample_ids),
+                         accept_length_cycles=(sum(cycles) + len(cycles)) / len(cycles) if cycles else float("nan"),
+                         cycles=len(cycles))
 
 
 def load_offline_draft(model_dir: str | Path, draft_dir: str | Path, *, dtype: str = "float32"
@@ -220,15 +250,25 @@ def offline_accept_length(
         indices = [i for i, sid in enumerate(ids) if sid in wanted]
     else:
         indices = heldout_indices(store, heldout_fraction, max_samples)
-    chains, used = [], []
-    for i in indices:
-        sample = store[i]
-        chains.append(score_sample(draft, lm_head, sample, num_steps))
-        used.append(sample.sample_id)
-    if not used:
+    if not indices:
         raise ValueError(f"no held-out samples among {len(store)} (heldout_fraction={heldout_fraction}, "
                          f"sample_ids={'given' if sample_ids is not None else 'none'}): raise the fraction")
-    return summarize(chains, num_steps, used)
+    return simulate_depths(store, draft, lm_head, indices, (num_steps,))[num_steps]
+
+
+def simulate_depths(store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tensor, indices: Sequence[int],
+                    depths: Sequence[int]) -> dict[int, OfflineResult]:
+    """One chain simulation per sample at the deepest depth, scored at every depth in ``depths``."""
+    deepest = max(depths)
+    chains: dict[int, list[SampleChains]] = {d: [] for d in depths}
+    used = []
+    for i in indices:
+        sample = store[i]
+        g, drafts = sample_drafts(draft, lm_head, sample, deepest)
+        for d in depths:
+            chains[d].append(chains_at_depth(sample, g, drafts, d))
+        used.append(sample.sample_id)
+    return {d: summarize(chains[d], d, used) for d in depths}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,3 +25,17 @@ def test_bench_serve_refuses_half_a_speculative_config():
     res = CliRunner().invoke(app, ["bench", "serve", "--speculative-algorithm", "MEDUSA",
                                    "--speculative-draft-model-path", "/d"])
     assert res.exit_code != 0 and "EAGLE3" in res.output
+
+
+def test_bench_offline_needs_a_store_or_prompt_sets():
+    res = CliRunner().invoke(app, ["bench", "offline", "--draft", "/d"])
+    assert res.exit_code != 0 and "--prompt-set" in res.output
+
+
+def test_bench_offline_on_prompts_refuses_a_token_file():
+    import pytest
+
+    from eaglenest.speculative.bench import BenchConfig
+
+    with pytest.raises(ValueError, match="offline_on_prompts"):
+        BenchConfig(draft="d", prompt_file="p.jsonl", offline_on_prompts=True)

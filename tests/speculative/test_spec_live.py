@@ -198,3 +198,40 @@ def test_report_files_round_trip(tmp_path):
     assert back.speedups() == r.speedups() and back.eagle3.levels == r.eagle3.levels
     assert back.live_accept_length() == pytest.approx((2.5 * 150 + 2.4 * 360) / 510)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_offline_line_lies_inside_the_accept_length_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eaglenest.speculative.report import draw_accept_length
+
+    r = report([level(1, 100), level(16, 900)], [level(1, 70, 1.92), level(16, 540, 1.95)],
+               offline={"accept_length": 2.74, "accept_length_cycles": 2.1})
+    fig, ax = plt.subplots()
+    draw_accept_length(ax, r)
+    top = ax.get_ylim()[1]
+    plt.close(fig)
+    assert top > 2.1 * 1.1  # not on the top border
+    r = report([level(1, 100)], [level(1, 70, 1.92)], offline={"accept_length": 3.4})  # an older report
+    fig, ax = plt.subplots()
+    draw_accept_length(ax, r)
+    assert ax.get_ylim()[1] > 3.4 * 1.1
+    plt.close(fig)
+
+
+def test_a_bench_run_given_a_prompt_file_records_that_files_set(tmp_path):
+    from eaglenest.speculative import prompts as P
+    from eaglenest.speculative.bench import BenchConfig, assemble, prepare_prompts
+
+    token_file = P.write_token_file(tmp_path / "he.jsonl", P.PromptSet(name="humaneval", source="pkg", prompts=[]),
+                                    [[1, 2, 3], [4, 5]])
+    cfg = BenchConfig(draft="d", engine="sglang", prompt_file=str(token_file))
+    prompts = prepare_prompts(cfg)
+    r = assemble(cfg, prompts, report([level(1, 100)], [level(1, 70, 1.9)]).baseline,
+                 report([level(1, 100)], [level(1, 70, 1.9)]).eagle3)
+    assert r.prompt_set == "humaneval"
+    recorded = json.loads(r.notes[0].removeprefix("config: "))
+    assert recorded["prompt_set"] == "humaneval" and recorded["prompt_file"] == str(token_file)

@@ -107,11 +107,16 @@ def test_simulation_on_regenerated_data_matches_every_live_cycle(spec_tiny):
                 assert by_start[root - 1] == a, (sample.sample_id, root)
                 compared += 1
             root += a + 1
+        full = [a for a, d in zip(out.accepted, out.drafted, strict=True) if d == 3]
+        assert sim.cycles[: len(full)] == full  # the cycle walk IS the live decode, cycle by cycle
+        assert abs(len(sim.cycles) - len(out.accepted)) <= 1  # (the decoder drafts less at its token budget)
     assert compared > 50
     res = offline_accept_length(store, draft, head, num_steps=3, heldout_fraction=1.0)
     assert res.censored_share == 0 and res.target_agreement == 1.0
     assert res.accept_length == pytest.approx(res.accept_length_lower)
     assert res.accept_length > 1.5 and res.samples == len(seqs)
+    walked = [a for sample in store.samples for a in score_sample(draft, head, sample, 3).cycles]
+    assert res.accept_length_cycles == pytest.approx(1 + sum(walked) / len(walked))
     bf16 = offline_accept_length(make_store(runner, seqs, plens), draft, head, num_steps=3, heldout_fraction=1.0)
     assert bf16.target_agreement > 0.95 and abs(bf16.accept_length - res.accept_length) < 0.1  # the store's dtype
 
@@ -174,5 +179,25 @@ def test_offline_estimate_is_calibrated_against_live_decoding(spec_tiny):
     res = offline_accept_length(store, fp32_draft(runner, fitted), runner.model.lm_head.weight.float(), num_steps=3,
                                 heldout_fraction=1.0)
     live = live_accept_on_samples(load_spec_decoder(runner, fitted, num_steps=3), store.samples, max_new_tokens=40)
-    cal = calibrate(res.accept_length, live.accept_length)
-    assert live.cycles > 100 and 0.8 < cal.ratio < 1.25, cal
+    cal = calibrate(res.accept_length_cycles, live.accept_length)
+    assert live.cycles > 100 and 0.95 < cal.ratio < 1.05, cal
+
+
+def test_per_cycle_mean_weighs_hard_stretches_like_live_decoding():
+    """An answer half easy (every chain accepts 3) and half hard (none accepted): live decoding crosses
+    the easy half in few cycles and the hard half one token per cycle, so its mean accept length is far
+    below the per-start mean; the simulator must report the per-cycle one."""
+    from eaglenest.drafter.ttt import cycle_walk
+
+    mask = [False] * 4 + [True] * 24  # a 4-token prompt, then a 24-token answer (last token = end of turn)
+    lead = [0] * 28
+    for t in range(3, 15):
+        lead[t] = 3  # roots 4..15 are easy
+    walk = cycle_walk(mask, lead)
+    # roots 4, 8, 12 accept 3 (12 -> 16 crosses into the hard half), then roots 16..26 accept 0 each
+    assert walk == [3, 3, 3] + [0] * 11
+    per_cycle = 1 + sum(walk) / len(walk)
+    per_start = 1 + sum(lead[3:27]) / 24
+    assert per_cycle == pytest.approx(1 + 9 / 14) and per_start == pytest.approx(2.5)
+    # two turns are walked separately and a turn's end caps the accepted drafts
+    assert cycle_walk([False, True, True, True, False, True, True], [3, 3, 3, 3, 3, 3, 3]) == [2, 1]

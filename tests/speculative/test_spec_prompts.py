@@ -73,3 +73,16 @@ def test_real_prompt_sets_from_the_registry():
     assert len(P.load_prompt_set("humaneval").prompts) == 164
     sg = P.load_prompt_set("sharegpt", limit=50)
     assert len(sg.prompts) == 50 and len({p.messages[0]["content"] for p in sg.prompts}) == 50
+
+
+def test_bench_prompts_render_exactly_like_the_training_data(tiny_model_dir):
+    """The live benchmark's prompt ids are the ids the extraction (and regeneration) sends for the same
+    messages: same chat template, same default system prompt, no extra special tokens."""
+    from eaglenest.data.chat import ChatEncoder
+    from eaglenest.data.sources import Message
+
+    enc = ChatEncoder(tiny_model_dir)
+    texts = ["Write a haiku about the sea.", "  leading and trailing spaces  ", "def f(x):\n    return x\n"]
+    ps = P.PromptSet(name="t", source="s", prompts=[P.Prompt(id=str(i), messages=[{"role": "user", "content": t}])
+                                                    for i, t in enumerate(texts)])
+    assert P.tokenize(ps, enc.tokenizer) == [enc.prompt_ids([Message("user", t)]) for t in texts]

@@ -1,0 +1,162 @@
+"""What a drafter training run is made of and checked against (no loop here: see :mod:`.train`).
+
+Owns the run's result record, its terminal errors, the distributed identity, the content checks a
+resume must pass (config drift, store fingerprint, target shape) and that the store/eval sets were
+captured from the target, the step-based schedule (total optimizer steps and the LR factor), and the
+one-line description of an evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eaglenest import contract
+from eaglenest import models as model_lib
+from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
+from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
+from eaglenest.store.extraction import open_samples as open_store
+
+
+class NonFiniteLoss(RuntimeError):
+    """A non-finite loss or gradient: training stopped before the optimizer step. Terminal."""
+
+
+class ResumeRefused(CheckpointError):
+    """The run folder holds a checkpoint of a different run (config, data or target). Terminal."""
+
+
+@dataclass(slots=True)
+class TrainResult:
+    status: str  # "done" | "time_budget" (the safety stop; ``note`` says so)
+    step: int
+    total_steps: int
+    run_dir: str
+    checkpoint: str
+    train_tokens: int
+    elapsed_s: float
+    """Wall time of this call (a resumed run counts only its own part)."""
+    tokens_per_s: float
+    """Training tokens per second of this call's loop."""
+    train_seconds: float = 0.0
+    """Training-loop seconds over all sessions of the run."""
+    eval: dict | None = None
+    """Metrics on the training store's held-out split at the last evaluation."""
+    eval_sets: dict[str, dict] = field(default_factory=dict)
+    """The same on every extra eval set (``TrainConfig.eval_sets``), by name."""
+    history: list[dict] = field(default_factory=list)
+    note: str = ""
+    """Why the run stopped: the schedule finished, or the time budget (a safety stop) cut it short."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def store_fingerprint(store) -> str:
+    h = hashlib.sha256(store.provenance.to_json().encode())
+    for sid, n in zip(store.sample_ids, store.num_tokens, strict=True):
+        h.update(f"{sid}\0{int(n)}\n".encode())
+    return h.hexdigest()
+
+
+def check_store_target(provenance: contract.Provenance, target_dir: Path) -> None:
+    """Refuse a target whose weights/shape differ from those that produced the store's states."""
+    fp = model_lib.model_fingerprint(target_dir)
+    cfg = model_lib.load_config(target_dir)
+    diffs = [(n, a, b) for n, a, b in (("model_hash", provenance.model_hash, fp["model_hash"]),
+                                       ("hidden_size", provenance.hidden_size, cfg.get("hidden_size")),
+                                       ("num_layers", provenance.num_layers, cfg.get("num_hidden_layers"))) if a != b]
+    if diffs:
+        detail = ", ".join(f"{n}: store {a!r} != target {b!r}" for n, a, b in diffs)
+        raise contract.ContractError(f"target {target_dir} is not the model the store was captured from ({detail})")
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based): linear warm-up, cosine decay."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+HELDOUT = "heldout"
+"""The eval-set name of the training store's own held-out split."""
+
+
+def schedule_steps(config: TrainConfig, batches_per_epoch: int, world: int) -> int:
+    """Optimizer steps of the whole schedule: ``max_steps``, else epochs x micro-batches / per step."""
+    return config.max_steps or max(1, math.ceil(config.epochs * batches_per_epoch / (config.grad_accum * world)))
+
+
+def describe_eval(res: dict, k: int) -> str:
+    """'accept length @1 a @3 b @7 c (per cycle @3 x), step-0 acc y' for the depths that exist."""
+    depths = sorted({1, min(3, k), k})
+    al = " ".join(f"@{d} {res['accept_length'][str(d)]:.3f}" for d in depths)
+    cyc = res.get("accept_length_cycles") or {}
+    d3 = str(min(3, k))
+    per_cycle = f" (per cycle @{d3} {cyc[d3]:.3f})" if d3 in cyc else ""
+    return f"accept length {al}{per_cycle}, step-0 acc {res['step_acc'][0]:.3f}"
+
+
+def open_eval_sets(eval_sets: dict[str, str], provenance: contract.Provenance, target_dir: Path, *,
+                   given: dict | None = None) -> dict:
+    """Open every extra eval set (``given`` supplies opened stores by name); each must be captured from
+    the training target with the same aux layers."""
+    from eaglenest.drafter.data import prompt_set_view
+
+    out = {}
+    for name, url in eval_sets.items():
+        st = prompt_set_view(given[name] if given and name in given else open_store(url), name)
+        check_store_target(st.provenance, target_dir)
+        if tuple(st.provenance.aux_layer_ids) != tuple(provenance.aux_layer_ids):
+            raise contract.ContractError(
+                f"eval set {name!r} ({url}) captured aux layers {list(st.provenance.aux_layer_ids)}, the training "
+                f"store {list(provenance.aux_layer_ids)}: capture it with the training store's settings")
+        if len(st) == 0:
+            raise contract.ContractError(f"eval set {name!r} ({url}) holds no samples")
+        out[name] = st
+    return out
+
+
+def finished_result(run_dir: Path, d: Dist, resume, total: int) -> TrainResult:
+    st = resume.state
+    seconds = float(st.get("train_seconds", 0.0))
+    result = TrainResult(status="done", step=resume.step, total_steps=total, run_dir=str(run_dir),
+                         checkpoint=str(resume.path), train_tokens=int(st["train_tokens"]), elapsed_s=seconds,
+                         tokens_per_s=int(st["train_tokens"]) / max(seconds, 1e-9), train_seconds=seconds,
+                         eval=st.get("last_eval"), history=st["history"], note="schedule finished",
+                         eval_sets={k: v for k, v in (st.get("last_eval_sets") or {}).items() if k != HELDOUT})
+    if d.rank == 0 and not (run_dir / "result.json").is_file():
+        contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
+    return result
+
+
+def check_resume(state: dict, config: TrainConfig, fingerprint: str, target_config: dict) -> None:
+    saved = state["config"]
+    drift = config_drift(saved, config.drift_view(), mutable=RESUME_MUTABLE)
+    if drift:
+        detail = describe_drift(saved, config.drift_view(), drift)
+        raise ResumeRefused(f"resume refused: config differs from the checkpoint's in {detail}; "
+                            "restore the value(s) or use a new out_dir")
+    if state["store_fingerprint"] != fingerprint:
+        raise ResumeRefused("resume refused: the store's content (provenance, sample ids or lengths) differs from "
+                            "the one this run was trained on; use a new out_dir")
+    if state["target"].get("vocab_size") != target_config.get("vocab_size") or \
+            state["target"].get("hidden_size") != target_config.get("hidden_size"):
+        raise ResumeRefused("resume refused: the target model's vocab_size/hidden_size differ from the checkpoint's")

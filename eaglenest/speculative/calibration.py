@@ -1,0 +1,294 @@
+"""Offline vs live on the same prompts: the calibration of the offline accept length.
+
+Owns the chain from a benchmark prompt set to an offline estimate that is comparable with a live
+benchmark of the same prompts, and the side-by-side record:
+
+    source = write_prompt_source(path, [mt_bench, humaneval])      # JSONL records {"id", "messages"}
+    folder = capture_answers(source, CaptureSettings(model=..., engine="sglang", max_new_tokens=256), out)
+    offline = simulate_prompt_sets(folder, model, draft, depths=range(1, 9))   # per prompt set, per depth
+    report = side_by_side(offline, [BenchReport, ...])                         # offline | live | ratio
+
+The target answers every prompt greedily on the capture engine (the extraction library with
+regeneration on: the same chat template, the same engine, the same answer cap as the live
+benchmark), so the captured samples are exactly what the live greedy decode produces, and the
+simulation (:mod:`eaglenest.speculative.offline`) runs the drafter on exactly those samples. The number to
+compare with live is ``accept_length_cycles`` (per verify cycle, as SGLang counts it, bonus token
+included); the per-start mean is reported beside it and is higher whenever acceptance varies along
+an answer. Sample ids are ``<prompt set>:<prompt id>``, so one capture run serves every set.
+
+Invariants: a prompt set is never trained on (the captures live in their own extraction folder);
+the drafter's aux layers must equal the capture's; prompt sets travel to an offline machine as the
+JSONL this module writes (the GPU machine has no network to fetch the packages).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eaglenest.speculative.prompts import PromptSet
+
+DEFAULT_DEPTHS = tuple(range(1, 9))
+
+
+class CaptureSettings(BaseModel):
+    """How the target answers the prompts and is captured (an extraction with regeneration on)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("default", description="target: 'default' or a local HF folder")
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="capture engine (the serving engine)")
+    server_urls: list[str] = Field([], description="already-running capture servers (default: launch one)")
+    max_new_tokens: int = Field(256, ge=1, le=8192, description=(
+        "answer cap: the live benchmark's max_new_tokens (the simulation scores the first this many answer tokens)"))
+    answer_max_new_tokens: int = Field(2048, ge=1, le=65536, description=(
+        "how long the target may answer at capture: the extraction skips an answer cut at its limit, so the answers "
+        "are generated whole and the simulation cuts them at max_new_tokens, as the live benchmark does"))
+    max_tokens: int | None = Field(None, ge=8, description="prompt + answer token limit (default: the context)")
+    batch_size: int = Field(256, ge=1, le=4096, description="samples per capture batch")
+    concurrency: int = Field(64, ge=1, le=1024, description="requests in flight per server")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="capture dtype")
+    server_capture_dir: str | None = Field(None, description="where given server_urls write shards, if they do not say")
+    sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments")
+    extraction_id: str = Field("calibration", description="folder name under the output folder")
+
+
+def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
+    """The extraction source for ``sets``: one JSONL record per prompt, id ``<set>:<prompt id>``."""
+    from eaglenest.contract import atomic_write_bytes
+
+    lines = []
+    for ps in sets:
+        for p in ps.prompts:
+            pid = p.id.removeprefix(f"{ps.name}:")
+            lines.append(json.dumps({"id": f"{ps.name}:{pid}", "messages": p.messages, "prompt_set": ps.name,
+                                     "source": ps.source}))
+    if not lines:
+        raise ValueError("no prompts to write: every prompt set is empty")
+    return atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode())
+
+
+def read_prompt_source(path: str | Path) -> dict[str, str]:
+    """{prompt set name: source} of a file written by :func:`write_prompt_source`."""
+    out: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.setdefault(str(r.get("prompt_set") or str(r["id"]).split(":", 1)[0]), str(r.get("source", path)))
+    return out
+
+
+def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: str | Path, *,
+                    on_progress=None) -> tuple[Path, dict[str, Any]]:
+    """Let the target answer every prompt greedily and capture it; returns (extraction folder, report)."""
+    from eaglenest.extraction.config import ExtractParams, RegenerationParams
+    from eaglenest.extraction.run import run_extraction
+
+    params = ExtractParams(
+        source=str(source), source_format="jsonl", limit=None, max_turns=1, model=settings.model,
+        engine=settings.engine, server_urls=list(settings.server_urls), dtype=settings.dtype,
+        batch_size=settings.batch_size, concurrency=settings.concurrency, max_tokens=settings.max_tokens,
+        regeneration=RegenerationParams(enabled=True, temperature=0.0,
+                                        max_new_tokens=max(settings.answer_max_new_tokens, settings.max_new_tokens)),
+        extraction_id=settings.extraction_id, output_dir=str(output_dir), sglang_args=list(settings.sglang_args),
+        server_capture_dir=settings.server_capture_dir,
+    )
+    report = run_extraction(params, on_progress=on_progress)
+    return Path(params.output_path).expanduser().resolve() / settings.extraction_id, report
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetOffline:
+    """The drafter's simulated acceptance on one prompt set's captured greedy answers."""
+
+    prompt_set: str
+    samples: int
+    target_agreement: float
+    """Share of answer tokens equal to the target's greedy choice at capture (1.0 = exact replay)."""
+    by_depth: dict[int, dict[str, float]]
+    """depth -> accept_length_cycles (compare with live), accept_length (per start), cycles, chains."""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["by_depth"] = {str(k): v for k, v in self.by_depth.items()}
+        return d
+
+
+class _CappedAnswers:
+    """A store view whose answers (loss-masked turns) count only their first ``cap`` tokens: what a live
+    request with max_new_tokens=cap generates of the same greedy answer."""
+
+    def __init__(self, store, cap: int) -> None:
+        self._store, self._cap = store, cap
+        self.sample_ids = list(store.sample_ids)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __getitem__(self, i: int):
+        import dataclasses
+
+        s = self._store[i]
+        return dataclasses.replace(s, loss_mask=cap_turns(s.loss_mask, self._cap))
+
+
+def cap_turns(loss_mask, cap: int):
+    """``loss_mask`` with every run of answer tokens cut to its first ``cap`` tokens."""
+    out = loss_mask.clone()
+    run = 0
+    for t, on in enumerate(loss_mask.tolist()):
+        run = run + 1 if on else 0
+        if run > cap:
+            out[t] = False
+    return out
+
+
+def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAULT_DEPTHS,
+                         aux_layer_ids: Sequence[int] | None = None, answer_cap: int | None = None) -> list[SetOffline]:
+    """Simulate ``draft`` on every sample of ``store``, grouped by the prompt set in its sample id (answers
+    cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens)."""
+    from eaglenest.speculative.offline import simulate_depths
+
+    if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
+        raise ValueError(f"the captures hold aux layers {list(aux_layer_ids)}, the drafter reads "
+                         f"{list(draft.config.aux_layer_ids)}: capture with the drafter's target settings")
+    ids = list(getattr(store, "sample_ids", None) or [store[i].sample_id for i in range(len(store))])
+    if answer_cap is not None:
+        store = _CappedAnswers(store, answer_cap)
+    groups: dict[str, list[int]] = {}
+    for i, sid in enumerate(ids):
+        groups.setdefault(sid.split(":", 1)[0] if ":" in sid else "samples", []).append(i)
+    if not groups:
+        raise ValueError("the capture holds no samples (did every prompt fail? see the extraction report)")
+    out = []
+    for name, idx in groups.items():
+        res = simulate_depths(store, draft, lm_head, idx, tuple(depths))
+        out.append(SetOffline(prompt_set=name, samples=len(idx), target_agreement=res[max(depths)].target_agreement,
+                              by_depth={d: {"accept_length_cycles": r.accept_length_cycles,
+                                            "accept_length": r.accept_length, "cycles": r.cycles,
+                                            "chains": r.chains} for d, r in sorted(res.items())}))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveAccept:
+    prompt_set: str
+    num_steps: int
+    concurrency: int
+    accept_length: float
+    report: str
+
+
+def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
+    """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
+    (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency)."""
+    if "rows" in report_json:
+        return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
+                           concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path)
+                for r in report_json["rows"] if r.get("accept_length") is not None]
+    spec = report_json.get("spec") or {}
+    if int(spec.get("topk", 1)) != 1:
+        raise ValueError(f"{path}: topk {spec.get('topk')} is a tree, the simulator drafts a chain (topk 1)")
+    return [LiveAccept(prompt_set=str(report_json["prompt_set"]), num_steps=int(spec["num_steps"]),
+                       concurrency=int(lv["concurrency"]), accept_length=float(lv["accept_length"]), report=path)
+            for lv in report_json["eagle3"]["levels"] if lv.get("accept_length") is not None]
+
+
+@dataclass(kw_only=True, slots=True)
+class CalibrationReport:
+    model: str
+    draft: str
+    capture: dict[str, Any]
+    sets: list[SetOffline]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """One row per live measurement: prompt set, depth, concurrency, offline, live, ratio offline/live."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "calibration", "model": self.model, "draft": self.draft, "capture": self.capture,
+                "sets": [s.to_json() for s in self.sets], "rows": self.rows, "notes": self.notes}
+
+
+def side_by_side(sets: Sequence[SetOffline], live: Sequence[LiveAccept]) -> list[dict[str, Any]]:
+    """Rows pairing every live accept length with the offline estimate of the same set and depth."""
+    by_name = {s.prompt_set: s for s in sets}
+    rows = []
+    for lv in live:
+        s = by_name.get(lv.prompt_set)
+        off = s.by_depth.get(lv.num_steps) if s else None
+        est = off["accept_length_cycles"] if off else None
+        rows.append({"prompt_set": lv.prompt_set, "depth": lv.num_steps, "concurrency": lv.concurrency,
+                     "offline": est, "offline_per_start": off["accept_length"] if off else None,
+                     "live": lv.accept_length, "ratio": est / lv.accept_length if est and lv.accept_length else None,
+                     "report": lv.report})
+    return rows
+
+
+def markdown(report: CalibrationReport) -> str:
+    depths = sorted({d for s in report.sets for d in s.by_depth})
+    lines = [f"Offline accept length (per verify cycle, bonus counted) of {report.draft} on the target's greedy "
+             f"answers ({report.capture.get('engine')}, answers capped at {report.capture.get('max_new_tokens')} "
+             "tokens):", "",
+             "| prompt set | samples | agreement | " + " | ".join(f"@{d}" for d in depths) + " |",
+             "|---|---|---|" + "---|" * len(depths)]
+    for s in report.sets:
+        cells = [f"{s.by_depth[d]['accept_length_cycles']:.2f}" if d in s.by_depth else "-" for d in depths]
+        lines.append(f"| {s.prompt_set} | {s.samples} | {s.target_agreement:.3f} | " + " | ".join(cells) + " |")
+    if report.rows:
+        lines += ["", "| prompt set | depth | concurrency | offline | offline per start | live | offline / live |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report.rows:
+            def f(v):
+                return "-" if v is None else f"{v:.2f}"
+            lines.append(f"| {r['prompt_set']} | {r['depth']} | {r['concurrency']} | {f(r['offline'])} | "
+                         f"{f(r['offline_per_start'])} | {f(r['live'])} | {f(r['ratio'])} |")
+    return "\n".join([*lines, *(f"- {n}" for n in report.notes)]) + "\n"
+
+
+def write_calibration(report: CalibrationReport, out_dir: str | Path) -> Path:
+    from eaglenest.contract import atomic_write_bytes
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "calibration.md", markdown(report).encode())
+    return atomic_write_bytes(out / "calibration.json", json.dumps(report.to_json(), indent=1).encode())
+
+
+def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: CaptureSettings, work_dir: str | Path,
+                         live_reports: Sequence[str | Path] = (), depths: Sequence[int] = DEFAULT_DEPTHS,
+                         device: str = "auto", on_progress=None) -> CalibrationReport:
+    """Capture the target's greedy answers to ``source`` and put the drafter's offline estimate beside
+    the live accept lengths of ``live_reports`` (bench report.json files of the same prompt sets)."""
+    from eaglenest.models import resolve_model
+    from eaglenest.speculative.offline import load_offline_draft
+    from eaglenest.store.extraction import open_samples as open_store
+
+    folder, ext_report = capture_answers(source, settings, work_dir, on_progress=on_progress)
+    if not ext_report.get("done"):
+        raise ValueError(f"the capture of {source} produced no samples: see {folder}/report.json")
+    store = open_store(str(folder))
+    model_dir = resolve_model(settings.model)
+    import torch
+
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dr, head = load_offline_draft(model_dir, draft)
+    dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
+    prov = getattr(store, "provenance", None)
+    sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
+                                answer_cap=settings.max_new_tokens)
+    live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]
+    sources = read_prompt_source(source)
+    counts = {k: ext_report.get(k) for k in ("samples", "done", "pending", "skipped", "bad_records")}
+    counts["argmax_agreement"] = (ext_report.get("run") or {}).get("argmax_agreement")
+    return CalibrationReport(
+        model=str(model_dir), draft=str(draft),
+        capture={**settings.model_dump(mode="json"), "folder": str(folder), "sources": sources, "counts": counts},
+        sets=sets, rows=side_by_side(sets, live),
+        notes=["offline = simulated accept length per verify cycle on the target's own greedy answers to the same "
+               "prompts (what SGLang reports: (accepted drafts + verifies) / verifies); offline per start = the "
+               "mean over every answer position (higher where acceptance varies along an answer)"])

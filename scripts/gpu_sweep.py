@@ -1,0 +1,127 @@
+"""GPU machine: train several drafter configs at once on one GPU (one process each), no Prefect.
+
+    python scripts/gpu_sweep.py --store STORE --target MODEL_DIR [--eval-set mt-bench=/tmp/calib/calibration ...]
+        [--grid grid.json | --only base,lr3e-3] [--epochs 2] [--max-minutes 20] [--work /tmp/sweep]
+
+Each config is the base recipe (``eaglenest train --draft-vocab 32000 --max-tokens 16384 --lr 1e-3``, TTT 7,
+step-based schedule over --epochs) with a few fields changed: tokens per step (grad_accum), lr, epochs, TTT
+length, draft vocabulary size. ``--grid`` is a JSON object {name: {TrainConfig field: value}} replacing the
+preset grid. Every process evaluates the held-out ShareGPT split and every --eval-set (never trained on; a
+calibration capture holding several prompt sets gives each key its own set) every --eval-every steps.
+Run folders (checkpoints) stay in --work; $OUT gets sweep.json (per config: the overrides, the result's status,
+steps, tokens, tokens/s, and the curves of accept length per verify cycle and per start against training
+tokens per eval set) and sweep.png (accept length per cycle @3 and @7 against training tokens). --max-minutes
+is a safety stop only: a config it cuts short says so in its result ("time_budget" and a note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
+
+BASE = {"draft_vocab_size": 32000, "max_tokens": 16384, "max_seq_len": 2048, "lr": 1e-3, "ttt_steps": 7,
+        "device": "cuda", "save_every": 500, "log_every": 50, "threads": 2}
+PRESET = {
+    "base": {},
+    "lr3e-4": {"lr": 3e-4},
+    "lr3e-3": {"lr": 3e-3},
+    "tok4x": {"grad_accum": 4},  # 4x tokens per optimizer step at the same data
+    "ttt3": {"ttt_steps": 3},
+    "vocab16k": {"draft_vocab_size": 16000},
+}
+
+
+def worker(config_path: str) -> int:
+    import logging
+
+    from eaglenest.drafter.config import TrainConfig
+    from eaglenest.drafter.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    res = train(TrainConfig(**json.loads(Path(config_path).read_text())))
+    print(json.dumps({k: v for k, v in res.to_dict().items() if k != "history"}), flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--store")
+    ap.add_argument("--target")
+    ap.add_argument("--eval-set", action="append", default=[], help="NAME=STORE_OR_EXTRACTION (repeatable)")
+    ap.add_argument("--grid", help="JSON file {name: {field: value}} (default: the preset grid)")
+    ap.add_argument("--only", help="comma-separated config names of the grid")
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--max-minutes", type=float, default=None, help="safety stop per config")
+    ap.add_argument("--work", default="/tmp/sweep")
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.worker)
+    if not (a.store and a.target):
+        ap.error("--store and --target are required")
+    from eaglenest.drafter.config import TrainConfig
+    from eaglenest.drafter.report import eval_curves, plot_sweep
+
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    grid = json.loads(Path(a.grid).read_text()) if a.grid else PRESET
+    if a.only:
+        grid = {k: grid[k] for k in a.only.split(",")}
+    eval_sets = dict(x.split("=", 1) for x in a.eval_set)
+    procs = {}
+    configs = {}
+    for name, over in grid.items():
+        cfg = TrainConfig(**{**BASE, "epochs": a.epochs, "eval_every": a.eval_every, "max_minutes": a.max_minutes,
+                             **over, "store": a.store, "target": a.target, "out_dir": str(work / name),
+                             "eval_sets": eval_sets})
+        configs[name] = cfg
+        (work / f"{name}.json").write_text(cfg.model_dump_json())
+        log = open(work / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it until it exits)
+        procs[name] = subprocess.Popen([sys.executable, __file__, "--worker", str(work / f"{name}.json")],
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"started {name}: {over} (pid {procs[name].pid})", flush=True)
+    t0 = time.monotonic()
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            time.sleep(15)
+            running = [n for n, p in procs.items() if p.poll() is None]
+            print(f"{time.monotonic() - t0:.0f} s: running {running}", flush=True)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+    report = {"command": " ".join(sys.argv), "base": BASE, "epochs": a.epochs, "eval_sets": eval_sets,
+              "wall_s": round(time.monotonic() - t0, 1), "configs": {}}
+    curves = {}
+    for name, cfg in configs.items():
+        run = Path(cfg.out_dir)
+        result = json.loads((run / "result.json").read_text()) if (run / "result.json").is_file() else None
+        curves[name] = eval_curves(run)
+        report["configs"][name] = {
+            "overrides": grid[name], "exit_code": procs[name].returncode,
+            "result": {k: result.get(k) for k in ("status", "note", "step", "total_steps", "train_tokens",
+                                                  "tokens_per_s", "train_seconds")} if result else None,
+            "curves": curves[name],
+            "log_tail": (work / f"{name}.log").read_text(errors="replace")[-1500:] if not result else None}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(report, indent=1))
+    plot_sweep(curves, out / "sweep.png")
+    for name, c in report["configs"].items():
+        last = {s: {d: round(v, 3) for d, v in (pts[-1]["accept_length_cycles"] or {}).items() if d in ("3", "7")}
+                for s, pts in c["curves"].items() if pts}
+        print(name, c["result"] and c["result"]["status"], "accept length per cycle", last, flush=True)
+    return 0 if all(p.returncode == 0 for p in procs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""scripts/gpu_sweep.py's CPU dry run: two configs train at once in their own processes on a real extraction
+folder, every eval set is scored, and sweep.json + sweep.png come out (what the GPU run writes to $OUT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # two training processes on the tiny model: ~1-2 min on a shared 2-core machine
+def test_sweep_dry_run_on_the_cpu(tiny_extract_params, capture_servers, tmp_path, tiny_model_dir):
+    from eaglenest.extraction.run import run_extraction
+    from eaglenest.extraction.state import open_extraction
+
+    params = tiny_extract_params.model_copy(update={"limit": 80})
+    ext = open_extraction(params).dir
+    ((url, _),) = capture_servers(ext / "capture")
+    report = run_extraction(params.model_copy(update={"server_urls": [url]}))
+    assert report["done"] >= 10
+    tiny = {"device": "cpu", "max_steps": 3, "draft_vocab_size": 200, "max_tokens": 512, "max_seq_len": 512,
+            "threads": 1, "eval_fraction": 0.2, "eval_max_samples": 4}
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"a": tiny, "b": {**tiny, "lr": 3e-3, "ttt_steps": 2}}))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_sweep.py"), "--store", str(ext), "--target",
+                          str(tiny_model_dir), "--grid", str(grid), "--eval-set", f"other={ext}", "--eval-every", "2",
+                          "--work", str(tmp_path / "work")], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert set(sweep["configs"]) == {"a", "b"}
+    for c in sweep["configs"].values():
+        assert c["result"]["status"] == "done" and c["result"]["step"] == 3
+        assert set(c["curves"]) == {"heldout", "other"}
+        assert [p["step"] for p in c["curves"]["other"]] == [2, 3] and c["curves"]["other"][0]["train_tokens"] > 0
+    assert (out / "sweep.png").stat().st_size > 1000

@@ -1,0 +1,108 @@
+"""Calibration on the same prompts: the target answers a prompt set, the answers are captured, the drafter
+is simulated on exactly those samples, and the estimate predicts the live decoder's accept length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from spec_support import one_thread
+
+from eaglenest.speculative import calibration as C
+from eaglenest.speculative.prompts import Prompt, PromptSet
+
+
+def prompt_sets() -> list[PromptSet]:
+    texts = ["def main(): return os.path.join(a, b)", "import sys, os; print(sys.argv)",
+             "class Foo: pass  # a tiny class", "for i in range(10): print(i)",
+             "with open(path) as f: data = f.read()", "raise ValueError('bad value')"]
+    mk = [Prompt(id=f"mt-bench:{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[:4])]
+    he = [Prompt(id=f"HumanEval/{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[4:])]
+    return [PromptSet(name="mt-bench", source="test", prompts=mk),
+            PromptSet(name="humaneval", source="test", prompts=he)]
+
+
+def test_prompt_source_round_trip(tmp_path):
+    path = C.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["id"] for r in rows][:2] == ["mt-bench:0", "mt-bench:1"] and rows[4]["id"] == "humaneval:HumanEval/0"
+    assert C.read_prompt_source(path) == {"mt-bench": "test", "humaneval": "test"}
+    with pytest.raises(ValueError, match="empty"):
+        C.write_prompt_source(tmp_path / "none.jsonl", [PromptSet(name="x", source="s", prompts=[])])
+
+
+@pytest.mark.slow  # regeneration on the embedded engine: ~1-3 min on a shared 2-core machine
+def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tiny_model_dir, capture_servers,
+                                                                  tmp_path):
+    import shutil
+
+    from spec_support import fit_drafter
+
+    from eaglenest.speculative.cpu_bench import live_accept_on_samples
+    from eaglenest.speculative.serve import load_spec_decoder
+    from eaglenest.store.extraction import open_samples as open_store
+
+    runner, untrained, _, _, _ = spec_tiny
+    source = C.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
+    work = tmp_path / "work"
+    ((url, _),) = capture_servers(work / "calibration" / "capture")
+    live_report = {"prompt_set": "mt-bench", "spec": {"num_steps": 3, "topk": 1},
+                   "eagle3": {"levels": [{"concurrency": 1, "accept_length": 2.0},
+                                         {"concurrency": 16, "accept_length": None}]}}
+    (tmp_path / "report.json").write_text(json.dumps(live_report))
+    settings = C.CaptureSettings(model=str(tiny_model_dir), server_urls=[url], max_new_tokens=40, dtype="float32",
+                                 answer_max_new_tokens=400,
+                                 batch_size=8, concurrency=4)
+    folder, _ = C.capture_answers(source, settings, work)
+    store = open_store(str(folder))
+    fitted = shutil.copytree(untrained, tmp_path / "draft")
+    with one_thread():  # a drafter that knows these answers (the point is the estimate, not the drafter)
+        fit_drafter(runner, fitted, [store[i].input_ids.tolist() for i in range(len(store))])
+        rep = C.calibrate_on_prompts(source=source, draft=fitted, settings=settings, work_dir=work,
+                                     live_reports=[tmp_path / "report.json"], depths=(1, 2, 3))
+    by_set = {s.prompt_set: s for s in rep.sets}
+    assert {k: v.samples for k, v in by_set.items()} == {"mt-bench": 4, "humaneval": 2}
+    mt = by_set["mt-bench"]
+    # the captured answers are the target's own greedy answers (a capped answer ends in the template's end
+    # token, which the target did not choose: one miss per sample)
+    assert mt.target_agreement > 0.95
+    al = [mt.by_depth[d]["accept_length_cycles"] for d in (1, 2, 3)]
+    assert al == sorted(al) and 1.5 <= al[2] <= 4.0
+    assert [r["concurrency"] for r in rep.rows] == [1]  # a level without an accept length is not a row
+    assert rep.rows[0]["ratio"] == pytest.approx(mt.by_depth[3]["accept_length_cycles"] / 2.0)
+    out = C.write_calibration(rep, tmp_path / "out")
+    assert json.loads(out.read_text())["rows"][0]["prompt_set"] == "mt-bench"
+    assert "| mt-bench | 3 | 1 |" in (tmp_path / "out" / "calibration.md").read_text()
+    # the same prompts decoded live (the embedded EAGLE-3 decoder, greedy, same answer cap)
+    samples = [store[i] for i, sid in enumerate(store.sample_ids) if sid.startswith("mt-bench:")]
+    with one_thread():
+        live = live_accept_on_samples(load_spec_decoder(runner, fitted, num_steps=3), samples, max_new_tokens=40)
+    assert live.cycles > 20
+    assert mt.by_depth[3]["accept_length_cycles"] == pytest.approx(live.accept_length, rel=0.05)
+
+
+def test_live_reports_of_a_tree_are_refused():
+    with pytest.raises(ValueError, match="topk"):
+        C.live_accepts({"prompt_set": "mt-bench", "spec": {"num_steps": 3, "topk": 4}, "eagle3": {"levels": []}})
+
+
+def test_a_grid_matrix_gives_one_live_row_per_set_steps_and_concurrency():
+    rows = [{"prompt_set": "mt-bench", "steps": k, "concurrency": c, "accept_length": 1.5 + k / 10}
+            for k in (1, 3) for c in (1, 16)] + [{"prompt_set": "humaneval", "steps": 3, "concurrency": 1,
+                                                  "accept_length": None}]
+    live = C.live_accepts({"rows": rows}, "matrix.json")
+    assert [(x.prompt_set, x.num_steps, x.concurrency) for x in live] == [
+        ("mt-bench", 1, 1), ("mt-bench", 1, 16), ("mt-bench", 3, 1), ("mt-bench", 3, 16)]
+    off = C.SetOffline(prompt_set="mt-bench", samples=2, target_agreement=1.0,
+                       by_depth={1: {"accept_length_cycles": 1.6, "accept_length": 1.7},
+                                 3: {"accept_length_cycles": 2.0, "accept_length": 2.4}})
+    table = C.side_by_side([off], live)
+    assert [round(r["ratio"], 4) for r in table] == [1.0, 1.0, round(2.0 / 1.8, 4), round(2.0 / 1.8, 4)]
+    assert table[2]["offline_per_start"] == 2.4
+
+
+def test_answers_are_scored_up_to_the_live_cap():
+    import torch
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert C.cap_turns(mask, 3).int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
