@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from eaglenest.drafter.fallback_store import MemoryStore
+from eaglenest.testing.fake_store import MemoryStore
 
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.train import train
