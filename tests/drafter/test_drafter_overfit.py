@@ -3,13 +3,11 @@ same samples (scored by the evaluator, per verify cycle as live decoding counts 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from eaglenest.testing.fake_store import MemoryStore
 
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.train import train
+from eaglenest.testing.fake_store import MemoryStore
 
 
 @pytest.mark.slow  # 650 optimizer steps of the tiny drafter: ~2-3 min on a busy 2-core machine (reaches 3.6-3.7)
@@ -17,7 +15,7 @@ def test_overfits_32_samples(tmp_path, tiny_model_dir, drafter_store):
     # The tiny target's random weights give nearly uniform next-token distributions, whose argmax a KL
     # objective barely sees (a 0.9-accurate drafter already has KL ~1e-4). Scaling final_hidden by 10 is the
     # same target with 10x sharper logits: the same greedy tokens, a distribution a real model would have.
-    sharp = [dataclasses.replace(drafter_store[i], final_hidden=drafter_store[i].final_hidden.float() * 10)
+    sharp = [_with(drafter_store[i], final_hidden=drafter_store[i].final_hidden.float() * 10)
              for i in range(32)]
     store = MemoryStore(sharp, drafter_store.provenance)
     cfg = TrainConfig(store="memory", out_dir=str(tmp_path / "run"), target=str(tiny_model_dir), draft_vocab_size=200,

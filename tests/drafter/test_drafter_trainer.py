@@ -129,11 +129,10 @@ def test_two_ttt_steps_log_no_depth_that_does_not_exist(tmp_path, tiny_model_dir
 
 
 def test_an_eval_set_key_picks_its_prompt_set_out_of_a_shared_capture(drafter_store):
-    import dataclasses
 
     from eaglenest.drafter.data import prompt_set_view
 
-    samples = [dataclasses.replace(drafter_store[i], sample_id=f"{'mt-bench' if i < 3 else 'humaneval'}:{i}")
+    samples = [_with(drafter_store[i], sample_id=f"{'mt-bench' if i < 3 else 'humaneval'}:{i}")
                for i in range(5)]
     mixed = MemoryStore(samples, drafter_store.provenance)
     mt = prompt_set_view(mixed, "mt-bench")

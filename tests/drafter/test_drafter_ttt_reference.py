@@ -18,7 +18,6 @@ The algorithm, per sample (tokens x, target aux states a, target final states f,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -126,7 +125,7 @@ def test_production_ttt_loss_equals_the_naive_algorithm(tiny_model_dir, drafter_
     torch.manual_seed(0)
     tt = load_target_tensors(tiny_model_dir)
     def tail(s, n):  # the last n tokens (answer + the end of the prompt) keep the naive loops short
-        return dataclasses.replace(s, input_ids=s.input_ids[-n:], loss_mask=s.loss_mask[-n:],
+        return _with(s, input_ids=s.input_ids[-n:], loss_mask=s.loss_mask[-n:],
                                    aux_hidden=s.aux_hidden[-n:], final_hidden=s.final_hidden[-n:])
 
     samples = [tail(drafter_store[0], 26), tail(drafter_store[5], 18)]

@@ -116,14 +116,16 @@ def test_pipeline_runs_every_stage_then_skips_them_all(prefect_api, tiny_model_d
     again = pipeline(params)  # a re-run: every stage skipped, nothing recomputed
     assert [again[s]["skipped"] for s in ("extract", "convert", "train", "export", "bench")] == [True] * 5
     # the headline prints the same numbers the second time (speedups keyed the same way, not {1: ..} then {'1': ..})
+    from eaglenest.pipeline import PipelineSummary
     from flows.pipeline import _headline
 
     assert first["bench"]["speedups"] == again["bench"]["speedups"] and list(first["bench"]["speedups"]) == ["1"]
     def bench_line(summary):
-        return next(x for x in _headline(summary).splitlines() if x.startswith("bench:"))
+        return next(x for x in _headline(PipelineSummary.model_validate(summary)).splitlines()
+                    if x.startswith("bench:"))
 
     assert bench_line(first) == bench_line(again)
-    assert f"prompts read -> {first['extract']['done']} samples" in _headline(first)
+    assert f"prompts read -> {first['extract']['done']} samples" in _headline(PipelineSummary.model_validate(first))
 
     # a changed training setting re-trains (and re-exports, re-benches); extraction and store are kept
     shutil.rmtree(run / "bench")  # and an output that vanished is recomputed
@@ -190,16 +192,21 @@ def test_demo_is_fixed_work_and_its_headline_explains_its_numbers():
     from typer.main import get_command
 
     from eaglenest.cli import app
+    from eaglenest.pipeline import ExtractOutput, PipelineSummary, TrainOutput
     from flows.pipeline import DEMO_TRAIN_STEPS, _headline, demo_params, samples_line
 
     p = demo_params("runs/demo")
     assert p.train.max_steps == DEMO_TRAIN_STEPS  # steps, not a wall-clock budget, decide the drafter
     assert p.train.max_minutes is None or p.train.max_minutes >= 30  # only a far-off safety stop
-    ex = {"records": 128, "done": 67, "skipped_samples": {"too_long": 58, "template": 3}, "bad_records": 0}
+    ex = ExtractOutput(dir="x", records=128, done=67, skipped_samples={"too_long": 58, "template": 3}, bad_records=0)
     assert samples_line(ex) == "128 prompts read -> 67 samples (61 skipped: 58 too_long, 3 template; 0 bad records)"
-    text = _headline({"run_dir": "runs/demo", "extract": ex, "train": {"status": "done"}})
+    def train(status: str) -> TrainOutput:
+        return TrainOutput(run_dir="t", status=status, step=96)
+
+    text = _headline(PipelineSummary(run_dir="runs/demo", extraction_id="x", extract=ex, train=train("done")))
     assert "not expected to pay off" in text and "H200" in text and "2.74" in text
-    assert "time budget" in _headline({"run_dir": "r", "extract": ex, "train": {"status": "time_budget"}})
+    assert "time budget" in _headline(PipelineSummary(run_dir="r", extraction_id="x", extract=ex,
+                                                      train=train("time_budget")))
     demo_cmd = get_command(app).commands["demo"]  # `eaglenest demo` must not write into make demo's folder
     out_default = next(o.default for o in demo_cmd.params if o.name == "out")
     assert str(out_default) != "runs/demo"
