@@ -178,7 +178,7 @@ def test_pipeline_form_run_artifacts_and_retry_in_the_browser(stack, browser, ti
     extract_run = next(r for r in _children(stack, run_id)
                        if (r.parameters.get("params") or {}).get("extraction_id") == "ui-pipe")
     ui.goto(f"/runs/flow-run/{extract_run.id}", "Artifacts")
-    ui.page.get_by_role("tab", name="Artifacts").click()
+    ui.page.get_by_text("Artifacts", exact=True).first.click()
     ui.page.get_by_text("extract-summary-ui-pipe").first.wait_for()
     ui.shot("extract-artifacts")
     assert "extract-progress-ui-pipe" in ui.page.inner_text("body")

@@ -156,13 +156,13 @@ def test_interrupted_multipart_upload_publishes_no_version(tmp_path, bucket, mon
     url = f"s3://{name}/store"
     opts = {"default_block_size": 5 << 20}  # multipart from the first 5 MiB (the S3 minimum part size)
     real = L.HashingWriter.write
-    writers: list[int] = []
+    writers: list[L.HashingWriter] = []  # the objects themselves: an id() may be reused once one is freed
 
     def failing(self, data):
-        if id(self) not in writers:
-            writers.append(id(self))
-        if len(writers) >= 3 and self.size > (5 << 20) + (512 << 10):  # mid 2nd data file, a part uploaded
-            raise ConnectionError("upload interrupted")
+        if not any(w is self for w in writers):
+            writers.append(self)
+        if writers[-1] is self and len(writers) >= 3 and self.size > (5 << 20) + (512 << 10):
+            raise ConnectionError("upload interrupted")  # mid 2nd data file (after file 1 and its sidecar)
         return real(self, data)
 
     monkeypatch.setattr(L.HashingWriter, "write", failing)
