@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 from eaglenest.cli import app
 from eaglenest.store import LengthBucketSampler, StoreDataset, convert, open_store
 from eaglenest.store import layout as L
-from eaglenest.store.testing import fake_provenance, make_extraction
+from eaglenest.testing.fake_store import fake_provenance, make_extraction
 
 LENGTHS = [40, 25, 60, 33, 18, 51, 47, 29, 36, 22, 58, 41]
 
