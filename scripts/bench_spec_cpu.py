@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from eaglenest.spec.cpu_bench import run_cpu_bench
+from eaglenest.speculative.cpu_bench import run_cpu_bench
 
 
 def main() -> int:

@@ -1,0 +1,325 @@
+"""Embedded EAGLE-3 chain speculation on a transformers target (CPU), lossless under greedy decoding.
+
+Owns the decode loop (batch 1) and its bookkeeping. One cycle, as SGLang's EAGLE worker does it with
+``--speculative-eagle-topk 1``:
+
+1. the proposer drafts ``k`` tokens after the current root token (``k = num_steps``; SGLang's
+   ``--speculative-num-draft-tokens`` is ``k + 1`` because it counts the root),
+2. ONE target forward over ``[root, d1..dk]`` (KV cache: ``transformers.DynamicCache``) gives the
+   target's greedy token after each of them,
+3. the longest prefix of drafts equal to the target's tokens is accepted (``a`` of ``k``), plus the
+   target's own next token (the bonus): ``a + 1`` new tokens per target forward,
+4. the target cache is cropped to the accepted tokens, and the proposer is advanced with the
+   accepted tokens and the target's aux hidden states at ``[root, d1..da]``.
+
+Invariant: the emitted tokens are, by construction, the target's greedy choices; with fp32 numerics
+the output equals plain KV-cached greedy decoding token for token (in bf16 a batched verify forward
+may round differently from a 1-token forward, see FACTS.md). ``accept length`` everywhere in
+eaglenest counts the bonus token (``a + 1``), as SGLang's ``spec_accept_length`` does.
+
+oneDNN: :class:`OneDNN` chooses per phase (prefill, 1-token decode, multi-token verify/draft) whether
+oneDNN runs; on these CPUs 1-token decode is faster without it and prefill much faster with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from eaglenest.drafter.model import DraftKVCache, Eagle3Drafter
+from eaglenest.engines.runtime import TargetRunner
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OneDNN:
+    """Whether oneDNN (mkldnn) runs in each phase of decoding."""
+
+    prefill: bool = True
+    decode: bool = True
+    """1-token target steps (plain decoding) and the draft's own steps."""
+    verify: bool = True
+    """The (k+1)-token verification forward of the target and the draft's multi-token extend."""
+
+    @property
+    def name(self) -> str:
+        return "-".join(f"{p}:{'on' if getattr(self, p) else 'off'}" for p in ("prefill", "decode", "verify"))
+
+    @staticmethod
+    def candidates() -> dict[str, OneDNN]:
+        return {"onednn": OneDNN(), "no-onednn": OneDNN(prefill=False, decode=False, verify=False),
+                "prefill-only": OneDNN(decode=False, verify=False),
+                "prefill+verify": OneDNN(decode=False)}
+
+
+@contextlib.contextmanager
+def _phase(enabled: bool):
+    """oneDNN on or off for one phase (torch's flags() warns about TF32 on Intel GPUs: silenced)."""
+    if not torch.backends.mkldnn.is_available():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            yield
+
+
+class Proposer(Protocol):
+    """Per-request drafting state (one object per generation)."""
+
+    def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
+        """After the target prefill: prompt ids [T], aux_hidden [T, k*H], the target's first token."""
+
+    def propose(self, k: int) -> list[int]:
+        """``k`` draft tokens (target ids) following the current root."""
+
+    def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
+        """Accepted drafts + bonus (a + 1 tokens; the last is the new root) and aux [a+1, k*H] of
+        the tokens verified before them (old root, d1..da)."""
+
+
+class Eagle3Proposer:
+    """Drafting with an :class:`Eagle3Drafter`: extend over target features, then k-1 own steps."""
+
+    def __init__(self, draft: Eagle3Drafter, onednn: OneDNN = OneDNN()) -> None:
+        self.draft, self.onednn = draft, onednn
+        self.cache = DraftKVCache()
+        self.last_hidden: torch.Tensor | None = None  # [1, 1, H], pre-norm output at the root's predecessor
+        self.last_logits: torch.Tensor | None = None  # [Vd]
+        self.root_pos = 0  # target position of the current root token
+
+    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor):
+        """tokens [1, S], hidden [1, S, H] at the next S positions of the cache."""
+        start = self.cache.length
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).view(1, -1)  # [1, S]
+        return self.draft(tokens, hidden, pos, self.cache)
+
+    def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
+        ids = torch.tensor([list(tokens)], device=self.draft.d2t.device)  # [1, S]
+        with _phase(self.onednn.verify if len(tokens) > 1 else self.onednn.decode):
+            out = self._forward(ids, self.draft.project(aux_hidden[None].to(self.draft.fc.weight.dtype)))
+        self.last_hidden, self.last_logits = out.hidden[:, -1:], out.logits[0, -1]
+
+    def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
+        # position i reads (token i + 1, aux_i): the drafter predicts the token after next
+        self._extend([*list(prompt_ids)[1:], root], aux_hidden)
+        self.root_pos = len(prompt_ids)
+
+    def propose(self, k: int) -> list[int]:
+        d = self.draft.to_target_ids(torch.argmax(self.last_logits)).view(1, 1)  # [1, 1]
+        drafts, h = [int(d)], self.last_hidden
+        with _phase(self.onednn.decode):
+            for _ in range(k - 1):
+                out = self._forward(d, h)
+                h = out.hidden  # [1, 1, H]
+                d = self.draft.to_target_ids(torch.argmax(out.logits[0, -1])).view(1, 1)
+                drafts.append(int(d))
+        return drafts
+
+    def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
+        self.cache.truncate(self.root_pos)  # forget the drafter's own steps; rebuild from target features
+        self._extend(tokens, aux_hidden)
+        self.root_pos += len(tokens)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecGeneration:
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    accepted: tuple[int, ...]
+    """Per verify forward: how many draft tokens were accepted (0..drafted)."""
+    drafted: tuple[int, ...]
+    """Per verify forward: how many draft tokens were proposed (k, fewer near the token budget)."""
+    prefill_s: float
+    decode_s: float
+    draft_s: float
+    verify_s: float
+
+    @property
+    def verify_ct(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per verify forward, bonus token counted (1.0 = no draft token ever accepted)."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlainGeneration:
+    output_ids: list[int]
+    finish_reason: str
+    prefill_s: float
+    decode_s: float
+
+
+def _stops(runner: TargetRunner, ignore_eos: bool, stop_token_ids: Sequence[int]) -> set[int]:
+    return set() if ignore_eos else runner.stop_ids | {int(x) for x in stop_token_ids}
+
+
+@torch.inference_mode()
+def plain_greedy(
+    runner: TargetRunner, input_ids: Sequence[int], *, max_new_tokens: int, ignore_eos: bool = False,
+    stop_token_ids: Sequence[int] = (), onednn: OneDNN = OneDNN(),
+) -> PlainGeneration:
+    """Target-only greedy decoding with a KV cache (the baseline every speedup is measured against)."""
+    from transformers import DynamicCache
+
+    stops = _stops(runner, ignore_eos, stop_token_ids)
+    model, dev = runner.model, runner.device
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    output: list[int] = []
+    if max_new_tokens <= 0:
+        return PlainGeneration(output_ids=output, finish_reason="length", prefill_s=0.0, decode_s=0.0)
+    with _phase(onednn.prefill):
+        out = model(input_ids=torch.tensor([list(input_ids)], device=dev), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+    t1 = time.perf_counter()
+    token, finish = int(torch.argmax(out.logits[0, -1])), "length"
+    with _phase(onednn.decode):
+        while True:
+            output.append(token)
+            if token in stops:
+                finish = "stop"
+                break
+            if len(output) >= max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
+            token = int(torch.argmax(out.logits[0, -1]))
+    return PlainGeneration(output_ids=output, finish_reason=finish, prefill_s=t1 - t0,
+                           decode_s=time.perf_counter() - t1)
+
+
+@dataclass
+class SpecDecoder:
+    """Greedy chain speculation over ``runner``'s model with proposers made by ``make_proposer``.
+
+    Not thread-safe: one generation at a time per runner (the embedded engine's scheduler thread).
+    """
+
+    runner: TargetRunner
+    make_proposer: Callable[[], Proposer]
+    num_steps: int = 3
+    onednn: OneDNN = field(default_factory=OneDNN)
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+
+    @classmethod
+    def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, num_steps: int = 3,
+               onednn: OneDNN = OneDNN()) -> SpecDecoder:
+        if tuple(runner.aux_layer_ids) != draft.config.aux_layer_ids:
+            from eaglenest.speculative.draft import DraftLoadError
+
+            raise DraftLoadError(f"drafter reads aux layers {list(draft.config.aux_layer_ids)}, target captures "
+                                 f"{list(runner.aux_layer_ids)}")
+        return cls(runner, lambda: Eagle3Proposer(draft, onednn), num_steps, onednn)
+
+    def _aux(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.cat([hidden_states[i + 1][0] for i in self.runner.aux_layer_ids], dim=-1)  # [N, k*H]
+
+    @torch.inference_mode()
+    def generate(
+        self, input_ids: Sequence[int], *, max_new_tokens: int, ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+    ) -> SpecGeneration:
+        from transformers import DynamicCache
+
+        stops = _stops(self.runner, ignore_eos, stop_token_ids)
+        model, dev, ctx = self.runner.model, self.runner.device, self.runner.context_length
+        prompt = list(input_ids)
+        t0 = time.perf_counter()
+        output: list[int] = []
+        accepted: list[int] = []
+        drafted: list[int] = []
+        draft_s = verify_s = 0.0
+        if max_new_tokens <= 0:
+            return SpecGeneration(output_ids=output, finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
+                                  decode_s=0.0, draft_s=0.0, verify_s=0.0)
+        cache = DynamicCache()
+        with _phase(self.onednn.prefill):
+            out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
+                        output_hidden_states=True, logits_to_keep=1)
+        root = int(torch.argmax(out.logits[0, -1]))
+        proposer = self.make_proposer()
+        t1 = time.perf_counter()
+        proposer.begin(prompt, self._aux(out.hidden_states), root)
+        draft_s += time.perf_counter() - t1
+        prefill_s = time.perf_counter() - t0
+        t_dec = time.perf_counter()
+        output.append(root)
+        finish = "stop" if root in stops else "length"
+        while finish != "stop" and len(output) < max_new_tokens:
+            n = cache.get_seq_length()  # the root's position
+            k = min(self.num_steps, max_new_tokens - len(output) - 1, (ctx - n - 1) if ctx else self.num_steps)
+            t = time.perf_counter()
+            drafts = proposer.propose(k) if k > 0 else []
+            draft_s += time.perf_counter() - t
+            t = time.perf_counter()
+            with _phase(self.onednn.verify if drafts else self.onednn.decode):
+                out = model(input_ids=torch.tensor([[root, *drafts]], device=dev), past_key_values=cache,
+                            use_cache=True, output_hidden_states=True)
+            target = out.logits[0].argmax(dim=-1).tolist()  # [k+1]: the target's token after each input
+            verify_s += time.perf_counter() - t
+            a = 0
+            while a < len(drafts) and drafts[a] == target[a]:
+                a += 1
+            new = [*drafts[:a], target[a]]
+            accepted.append(a)
+            drafted.append(len(drafts))
+            # drop the rejected drafts' KV; a negative crop removes that many tokens on every transformers 5.x
+            rejected = cache.get_seq_length() - (n + a + 1)
+            if rejected > 0:
+                cache.crop(-rejected)
+            for tok in new:
+                output.append(tok)
+                if tok in stops:
+                    finish = "stop"
+                    break
+                if len(output) >= max_new_tokens:
+                    break
+            if finish == "stop" or len(output) >= max_new_tokens:
+                break
+            t = time.perf_counter()
+            proposer.advance(new, self._aux(out.hidden_states)[: a + 1])
+            draft_s += time.perf_counter() - t
+            root = new[-1]
+        return SpecGeneration(output_ids=output, finish_reason=finish, accepted=tuple(accepted), drafted=tuple(drafted),
+                              prefill_s=prefill_s, decode_s=time.perf_counter() - t_dec, draft_s=draft_s,
+                              verify_s=verify_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AcceptStats:
+    """Acceptance over many verify cycles; accept length counts the bonus token."""
+
+    cycles: int
+    accept_length: float
+    acceptance_at: tuple[float, ...]
+    """acceptance_at[i]: share of cycles that drafted position i+1 and accepted it (P(a >= i+1))."""
+    conditional_at: tuple[float, ...]
+    """conditional_at[i]: P(position i+1 accepted | positions 1..i accepted and i+1 drafted)."""
+    histogram: tuple[int, ...]
+    """histogram[a]: cycles that accepted exactly a draft tokens."""
+
+    @classmethod
+    def from_cycles(cls, accepted: Sequence[int], drafted: Sequence[int], num_steps: int) -> AcceptStats:
+        n = len(accepted)
+        hist = [0] * (num_steps + 1)
+        for a in accepted:
+            hist[a] += 1
+        at, cond = [], []
+        for i in range(1, num_steps + 1):
+            offered = [a for a, d in zip(accepted, drafted, strict=True) if d >= i]
+            reached = [a for a in offered if a >= i - 1]
+            at.append(sum(a >= i for a in offered) / len(offered) if offered else 0.0)
+            cond.append(sum(a >= i for a in reached) / len(reached) if reached else 0.0)
+        return cls(cycles=n, accept_length=(sum(accepted) + n) / n if n else 0.0, acceptance_at=tuple(at),
+                   conditional_at=tuple(cond), histogram=tuple(hist))
