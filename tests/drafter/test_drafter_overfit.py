@@ -7,6 +7,7 @@ import pytest
 
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.train import train
+from eaglenest.store.encoding import StoreSample
 from eaglenest.testing.fake_store import MemoryStore
 
 
@@ -27,3 +28,9 @@ def test_overfits_32_samples(tmp_path, tiny_model_dir, drafter_store):
     assert ev["samples"] == 32
     assert ev["accept_length"]["3"] >= 3.5, ev["accept_length"]
     assert ev["accept_length_cycles"]["3"] >= 3.5, ev["accept_length_cycles"]
+
+
+def _with(s: StoreSample, **changes) -> StoreSample:
+    """A copy of a store sample with some of its fields replaced."""
+    fields = {k: getattr(s, k) for k in ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+    return StoreSample(**{**fields, **changes})

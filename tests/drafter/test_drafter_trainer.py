@@ -13,6 +13,7 @@ from test_drafter_train import config
 
 from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.train import HELDOUT, Trainer, train
+from eaglenest.store.encoding import StoreSample
 from eaglenest.testing.fake_store import MemoryStore
 
 
@@ -139,3 +140,9 @@ def test_an_eval_set_key_picks_its_prompt_set_out_of_a_shared_capture(drafter_st
     assert mt.sample_ids == ["mt-bench:0", "mt-bench:1", "mt-bench:2"] and len(mt) == 3
     assert mt[2].sample_id == "mt-bench:2" and list(mt.num_tokens) == list(mixed.num_tokens[:3])
     assert prompt_set_view(mixed, "sharegpt") is mixed  # no such set: the whole store
+
+
+def _with(s: StoreSample, **changes) -> StoreSample:
+    """A copy of a store sample with some of its fields replaced."""
+    fields = {k: getattr(s, k) for k in ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+    return StoreSample(**{**fields, **changes})

@@ -27,6 +27,7 @@ from eaglenest.drafter.data import collate
 from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
 from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
 from eaglenest.drafter.vocab import build_draft_vocab
+from eaglenest.store.encoding import StoreSample
 
 
 def rms(x, w, eps):
@@ -163,3 +164,9 @@ def test_production_ttt_loss_equals_the_naive_algorithm(tiny_model_dir, drafter_
     assert total == pytest.approx(naive_total, rel=1e-4)
     assert 0 < sum(x[2][0] for x in naive) < sum(x[1][0] for x in naive)  # neither trivial 0% nor 100%
     assert not bool(rows.in_vocab.all())  # some rows are out of the draft vocabulary
+
+
+def _with(s: StoreSample, **changes) -> StoreSample:
+    """A copy of a store sample with some of its fields replaced."""
+    fields = {k: getattr(s, k) for k in ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+    return StoreSample(**{**fields, **changes})
