@@ -9,9 +9,10 @@ import pytest
 import torch
 from spec_support import one_thread, random_prompts
 
-from eaglenest.spec.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
+from eaglenest.spec.decoder import AcceptStats, SpecDecoder, plain_greedy
 from eaglenest.spec.draft import DraftLoadError, load_exported_drafter, write_random_draft
 from eaglenest.spec.drafting import Eagle3Proposer, FastDrafter
+from eaglenest.spec.onednn import OneDNN
 from eaglenest.spec.serve import load_spec_decoder
 from eaglenest.spec.tree import DraftTree, SpecShape
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.spec.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
+from eaglenest.spec.decoder import AcceptStats, SpecDecoder, plain_greedy
+from eaglenest.spec.onednn import OneDNN
 from eaglenest.spec.tree import SpecShape
 
 PLAIN_POLICIES = ("onednn", "prefill-only")
@@ -164,7 +165,7 @@ def side_by_side(
 ) -> SideBySide:
     """Decode every prompt with plain greedy (each policy) and each EAGLE-3 variant, interleaved."""
     pols = OneDNN.candidates()
-    unknown = sorted(set(plain_policies) | set(spec_policies) - set(pols))
+    unknown = sorted((set(plain_policies) | set(spec_policies)) - set(pols))
     if unknown or not plain_policies or not spec_policies or not shapes or not prompts or rounds < 1:
         raise ValueError(f"side_by_side needs prompts, shapes, rounds >= 1 and known policies (unknown: {unknown}; "
                          f"choose from {sorted(pols)})")

@@ -17,15 +17,13 @@ the output equals plain KV-cached greedy decoding token for token (in bf16 a bat
 may round differently from a 1-token forward, see FACTS.md). ``accept length`` everywhere in
 eaglenest counts the bonus token (``a + 1``), as SGLang's ``spec_accept_length`` does.
 
-oneDNN: :class:`OneDNN` chooses per phase (prefill, 1-token decode, multi-token verify/draft) whether
-oneDNN runs; on these CPUs 1-token decode is faster without it and prefill much faster with it.
+oneDNN: :class:`~eaglenest.spec.onednn.OneDNN` chooses per phase (prefill, 1-row steps, multi-row
+verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,40 +32,8 @@ import torch
 
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
+from eaglenest.spec.onednn import OneDNN, pack_linears, phase
 from eaglenest.spec.tree import DraftTree, SpecShape, accept, verify_inputs
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OneDNN:
-    """Whether oneDNN (mkldnn) runs in each phase of decoding."""
-
-    prefill: bool = True
-    decode: bool = True
-    """1-token target steps (plain decoding) and the draft's own steps."""
-    verify: bool = True
-    """The (k+1)-token verification forward of the target and the draft's multi-token extend."""
-
-    @property
-    def name(self) -> str:
-        return "-".join(f"{p}:{'on' if getattr(self, p) else 'off'}" for p in ("prefill", "decode", "verify"))
-
-    @staticmethod
-    def candidates() -> dict[str, OneDNN]:
-        return {"onednn": OneDNN(), "no-onednn": OneDNN(prefill=False, decode=False, verify=False),
-                "prefill-only": OneDNN(decode=False, verify=False),
-                "prefill+verify": OneDNN(decode=False)}
-
-
-@contextlib.contextmanager
-def _phase(enabled: bool):
-    """oneDNN on or off for one phase (torch's flags() warns about TF32 on Intel GPUs: silenced)."""
-    if not torch.backends.mkldnn.is_available():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-        with torch.backends.mkldnn.flags(enabled=enabled):
-            yield
 
 
 class Proposer(Protocol):
@@ -129,17 +95,18 @@ def plain_greedy(
 
     stops = _stops(runner, ignore_eos, stop_token_ids)
     model, dev = runner.model, runner.device
+    pack_linears(model)
     t0 = time.perf_counter()
     cache = DynamicCache()
     output: list[int] = []
     if max_new_tokens <= 0:
         return PlainGeneration(output_ids=output, finish_reason="length", prefill_s=0.0, decode_s=0.0)
-    with _phase(onednn.prefill):
+    with phase(onednn.prefill):
         out = model(input_ids=torch.tensor([list(input_ids)], device=dev), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
     t1 = time.perf_counter()
     token, finish = int(torch.argmax(out.logits[0, -1])), "length"
-    with _phase(onednn.decode):
+    with phase(onednn.decode):
         while True:
             output.append(token)
             if token in stops:
@@ -181,14 +148,16 @@ class SpecDecoder:
                                  f"{list(runner.aux_layer_ids)}")
         from eaglenest.spec.drafting import Eagle3Proposer, FastDrafter
 
+        pack_linears(runner.model)
         fast = FastDrafter(draft)
-        return cls(runner, lambda: Eagle3Proposer(fast, shape), shape, onednn)
+        return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn)
 
-    def _aux(self, hidden_states: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, k*H] aux states of the target rows ``rows`` (all rows when None)."""
+    def _aux(self, hidden_states: tuple[torch.Tensor, ...], rows: list[int] | None = None) -> torch.Tensor:
+        """[N, k*H] aux states of the target's verify ``rows`` (all rows when None)."""
         parts = [hidden_states[i + 1][0] for i in self.runner.aux_layer_ids]
         if rows is not None:
-            parts = [p[rows] for p in parts]
+            index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)
+            parts = [p[index] for p in parts]
         return torch.cat(parts, dim=-1)
 
     @torch.inference_mode()
@@ -210,14 +179,12 @@ class SpecDecoder:
             return SpecGeneration(output_ids=output, finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
                                   decode_s=0.0, draft_s=0.0, verify_s=0.0)
         cache = DynamicCache()
-        with _phase(self.onednn.prefill):
+        with phase(self.onednn.prefill):  # the target's prompt and the drafter's extend over it
             out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
                         output_hidden_states=True, logits_to_keep=1)
             root = int(torch.argmax(out.logits[0, -1]))
             proposer = self.make_proposer()
-            t1 = time.perf_counter()
             proposer.begin(prompt, self._aux(out.hidden_states), root)
-        draft_s += time.perf_counter() - t1
         prefill_s = time.perf_counter() - t0
         t_dec = time.perf_counter()
         output.append(root)
@@ -226,12 +193,11 @@ class SpecDecoder:
         while finish != "stop" and len(output) < max_new_tokens:
             k = min(self.shape.depth, max_new_tokens - len(output) - 1, (ctx - n - 1) if ctx else self.shape.depth)
             t = time.perf_counter()
-            with _phase(self.onednn.decode):
-                tree = proposer.propose(k) if k > 0 else DraftTree([], [])
+            tree = proposer.propose(k) if k > 0 else DraftTree([], [])  # the proposer picks its oneDNN phases
             draft_s += time.perf_counter() - t
             t = time.perf_counter()
             ids, pos, mask = verify_inputs(root, tree, n, device=dev)
-            with _phase(self.onednn.verify if len(tree) else self.onednn.decode):
+            with phase(self.onednn.rows(len(tree) + 1)):
                 out = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
                             use_cache=True, output_hidden_states=True)
             path, bonus = accept(tree, out.logits[0].argmax(dim=-1).tolist())
@@ -252,10 +218,7 @@ class SpecDecoder:
             if finish == "stop" or len(output) >= max_new_tokens:
                 break
             t = time.perf_counter()
-            aux_rows = None if rows == list(range(len(tree) + 1)) else torch.tensor(rows, device=dev)
-            aux = self._aux(out.hidden_states, aux_rows)
-            with _phase(self.onednn.verify if a else self.onednn.decode):
-                proposer.advance(new, aux if aux_rows is not None else aux[: a + 1])
+            proposer.advance(new, self._aux(out.hidden_states, rows))
             draft_s += time.perf_counter() - t
             root, n = new[-1], n + a + 1
         return SpecGeneration(output_ids=output, finish_reason=finish, accepted=tuple(accepted), drafted=tuple(drafted),

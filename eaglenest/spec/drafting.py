@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
+from eaglenest.spec.onednn import OneDNN, linear, phase, prepack
 from eaglenest.spec.tree import DraftTree, SpecShape
 
 
@@ -39,26 +40,28 @@ class FastDrafter:
         self.draft, self.cfg = draft, cfg
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.w_qkv = torch.cat((at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)).contiguous()
-        self.w_o = at.o_proj.weight
-        self.w_gate_up = torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)).contiguous()
-        self.w_down = layer.mlp.down_proj.weight
-        self.w_fc, self.w_head = draft.fc.weight, draft.lm_head.weight
+        w = {"qkv": torch.cat((at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)).contiguous(),
+             "o": at.o_proj.weight, "gate_up": torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
+             "down": layer.mlp.down_proj.weight, "fc": draft.fc.weight, "head": draft.lm_head.weight}
+        self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
         self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()
         self.n_post, self.n_final = layer.post_attention_layernorm.weight.float(), draft.norm.weight.float()
         self.embed_weight, self.d2t = draft.embed_weight, draft.d2t
-        self.dtype = self.w_qkv.dtype
+        self.dtype = draft.fc.weight.dtype
         self._cos = self._sin = torch.empty(0)
         self._rope(max(cfg.max_position_embeddings, 1))
 
     def _rope(self, n: int) -> None:
         if n > self._cos.shape[0]:  # positions beyond the table (long contexts): grow it once
-            self._cos, self._sin = rope_cos_sin(torch.arange(n, device=self.w_qkv.device), self.hd,
+            self._cos, self._sin = rope_cos_sin(torch.arange(n, device=self.d2t.device), self.hd,
                                                 self.cfg.rope_theta)  # [n, hd] fp32
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [S, k*Ht] -> [S, H]."""
-        return F.linear(aux.to(self.dtype), self.w_fc)
+        return self._lin(aux.to(self.dtype), "fc")
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return linear(x, *self.w[name])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -71,7 +74,7 @@ class FastDrafter:
         s, start = ids.shape[0], st.length
         x = torch.cat((_rms(F.embedding(ids, self.embed_weight).to(self.dtype), self.n_in, self.eps),
                        _rms(hidden, self.n_hid, self.eps)), dim=-1)  # [S, 2H]
-        qkv = F.linear(x, self.w_qkv)
+        qkv = self._lin(x, "qkv")
         q, k, v = qkv.split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), dim=-1)
         self._rope(int(pos.max()) + 1)
         cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [S, 1, hd]
@@ -82,10 +85,10 @@ class FastDrafter:
             mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
         attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
                                               enable_gqa=self.nh != self.nkv)  # [1, nh, S, hd]
-        residual = F.linear(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), self.w_o) + hidden
-        gate, up = F.linear(_rms(residual, self.n_post, self.eps), self.w_gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.w_down) + residual
-        return out, F.linear(_rms(out, self.n_final, self.eps), self.w_head)
+        residual = self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o") + hidden
+        gate, up = self._lin(_rms(residual, self.n_post, self.eps), "gate_up").chunk(2, dim=-1)
+        out = self._lin(F.silu(gate) * up, "down") + residual
+        return out, self._lin(_rms(out, self.n_final, self.eps), "head")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,7 +104,7 @@ class DraftState:
 
     def __init__(self, fd: FastDrafter, capacity: int) -> None:
         shape = (fd.nkv, max(capacity, 16), fd.hd)
-        self.k = torch.empty(shape, dtype=fd.dtype, device=fd.w_qkv.device)
+        self.k = torch.empty(shape, dtype=fd.dtype, device=fd.d2t.device)
         self.v = torch.empty_like(self.k)
         self.length = 0
 
@@ -121,23 +124,30 @@ class Eagle3Proposer:
     chain (argmax per step) or an EAGLE-2 dynamic tree (expand the ``topk`` best nodes by cumulative
     draft log-probability per depth, keep the ``nodes`` best overall)."""
 
-    def __init__(self, fd: FastDrafter, shape: SpecShape = SpecShape(), capacity: int = 1024) -> None:
-        self.fd, self.shape = fd, shape
+    def __init__(self, fd: FastDrafter, shape: SpecShape = SpecShape(), onednn: OneDNN = OneDNN(),
+                 capacity: int = 1024) -> None:
+        self.fd, self.shape, self.onednn = fd, shape, onednn
         self.state = DraftState(fd, capacity)
         self.last_hidden: torch.Tensor | None = None  # [1, H] output of the row before the root
         self.last_logits: torch.Tensor | None = None  # [Vd]
         self.root_pos = 0  # target position of the current root token
 
-    def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
+    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
+                 onednn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        with phase(self.onednn.rows(ids.shape[0]) if onednn is None else onednn):
+            return self.fd.forward(self.state, ids, hidden, pos, mask)
+
+    def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor, onednn: bool | None = None) -> None:
         start = self.state.length
         ids = torch.tensor(list(tokens), device=self.fd.d2t.device)
         pos = torch.arange(start, start + len(tokens), device=ids.device)
-        out, logits = self.fd.forward(self.state, ids, self.fd.project(aux_hidden), pos, None)
+        with phase(self.onednn.rows(len(tokens)) if onednn is None else onednn):
+            out, logits = self.fd.forward(self.state, ids, self.fd.project(aux_hidden), pos, None)
         self.last_hidden, self.last_logits = out[-1:], logits[-1]
 
     def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
         # position i reads (token i + 1, aux_i): the drafter predicts the token after next
-        self._extend([*list(prompt_ids)[1:], root], aux_hidden)
+        self._extend([*list(prompt_ids)[1:], root], aux_hidden, self.onednn.prefill)
         self.root_pos = len(prompt_ids)
 
     def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
@@ -154,18 +164,18 @@ class Eagle3Proposer:
         return self._tree(depth)
 
     def _chain(self, depth: int) -> DraftTree:
-        fd, st = self.fd, self.state
+        fd = self.fd
         d = fd.to_target(self.last_logits.argmax().view(1))  # [1]
         drafts, h = [d], self.last_hidden
         for i in range(depth - 1):
-            h, logits = fd.forward(st, d, h, torch.tensor([self.root_pos + i]), None)
+            h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
             d = fd.to_target(logits[0].argmax().view(1))
             drafts.append(d)
         return DraftTree.chain(torch.cat(drafts).tolist())
 
     def _tree(self, depth: int) -> DraftTree:
-        fd, st, k = self.fd, self.state, self.shape.topk
-        base = st.length  # == root_pos: rows of the committed prefix
+        fd, k = self.fd, self.shape.topk
+        base = self.state.length  # == root_pos: rows of the committed prefix
         logp = torch.log_softmax(self.last_logits.float(), dim=-1)  # [Vd]
         score, idx = logp.topk(k)  # level 1: the root's best children
         tokens, parents, scores = [fd.to_target(idx)], [torch.full((k,), -1)], [score]
@@ -176,7 +186,7 @@ class Eagle3Proposer:
         for level in range(1, depth):
             mask = torch.cat((torch.ones(k, base, dtype=torch.bool), ancestors, torch.eye(k, dtype=torch.bool)), 1)
             toks = torch.cat(tokens)[frontier]
-            h, logits = fd.forward(st, toks, hidden, torch.full((k,), self.root_pos + level - 1), mask)
+            h, logits = self._forward(toks, hidden, torch.full((k,), self.root_pos + level - 1), mask)
             cand = torch.cat(scores)[frontier][:, None] + torch.log_softmax(logits.float(), dim=-1)  # [k, Vd]
             child_score, child_idx = cand.topk(k, dim=-1)  # [k, k]: each node's best children
             tokens.append(fd.to_target(child_idx.reshape(-1)))

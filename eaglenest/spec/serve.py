@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engines.runtime import Generation, TargetRunner
-from eaglenest.spec.decoder import OneDNN, SpecDecoder, plain_greedy
+from eaglenest.spec.decoder import SpecDecoder, plain_greedy
+from eaglenest.spec.onednn import OneDNN
 from eaglenest.spec.tree import SpecShape, measured_best_shape
 
 
