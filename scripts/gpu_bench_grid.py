@@ -1,7 +1,7 @@
 """GPU machine: the live baseline-vs-EAGLE3 grid with real SGLang, no Prefect. Writes JSON (+ PNGs) to $OUT.
 
-    python scripts/gpu_bench_grid.py --model MODEL_DIR --draft DRAFTER_DIR --prompts PROMPTS.jsonl \
-        [--concurrency 1,4,16,64] [--steps 3 --topk 1 --draft-tokens 4] [--max-new-tokens 256] \
+    python scripts/gpu_bench_grid.py --model MODEL_DIR --draft DRAFTER_DIR --prompts A.jsonl[,B.jsonl,...] \
+        [--concurrency 1,4,16,64] [--steps 3 | --steps 1,2,3,5,8] [--topk 1 --draft-tokens 4] [--max-new-tokens 256] \
         [--num-prompts 32] [--target-concurrency 1 --min-speedup 1.0] [--only baseline|eagle3] \
         [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...]
 
@@ -9,7 +9,10 @@ PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prom
 --out prompts.jsonl`` (chat-templated token ids; the GPU machine has no network). Each server is
 ``python -m sglang.launch_server`` (CUDA graphs on unless --no-cuda-graph; triton attention + pytorch
 sampling, the kit's verified flags) started in its own process group, proven ready by a real request,
-driven at every concurrency with httpx, and stopped. --speculative-num-draft-tokens counts the root
+driven at every concurrency on every prompt set with httpx, and stopped: one baseline server, then one EAGLE3
+server per --steps value (a depth sweep). Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
+and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
+cost in baseline steps (the break-even accept length). --speculative-num-draft-tokens counts the root
 token (chain: steps + 1). Writes $OUT/server_baseline.json and $OUT/server_eagle3.json as each finishes,
 then $OUT/report.json, report.md (and PNGs when matplotlib is importable; otherwise run
 ``eaglenest bench plot report.json`` here). Prints the table and the gate; exits 1 on a launch failure,
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 from eaglenest.engines.launcher import LaunchError, ServerProcess
 from eaglenest.spec.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.spec.live import ServerResult, bench_server, end_recorded_servers
+from eaglenest.spec.live import ServerResult, bench_server_sets, end_recorded_servers
 from eaglenest.spec.report import gate, markdown_table, write_report
 
 
@@ -60,9 +63,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True, help="token JSONL from `eaglenest bench prompts`")
+    ap.add_argument("--prompts", required=True,
+                    help="token JSONL from `eaglenest bench prompts`; several comma-separated files share each server")
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", default="3", help="draft steps; a comma list (e.g. 1,2,3,5,8) is a depth sweep")
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--draft-tokens", type=int, default=None, help="root counted; default steps + 1")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -79,48 +83,78 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
-    cfg = BenchConfig(engine="sglang", model=a.model, draft=a.draft, num_steps=a.steps, topk=a.topk,
-                      num_draft_tokens=a.draft_tokens, prompt_file=a.prompts, num_prompts=a.num_prompts,
-                      max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
-                      requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
-                      min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
-                      mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg,
-                      ready_timeout_s=a.ready_timeout)
-    prompts: Prompts = prepare_prompts(cfg)
-    print(f"GPU: {gpu_name()}; prompts: {prompts.name} x{len(prompts.token_ids)} ({prompts.source})", flush=True)
-    cmds = dict(zip(("baseline", "eagle3"), server_commands(cfg, cfg.port), strict=True))
-    results: dict[str, ServerResult] = {}
-    if a.baseline_json:
-        results["baseline"] = ServerResult.from_json(json.loads(Path(a.baseline_json).read_text()))
-    for name in ("baseline", "eagle3"):
-        if name in results or (a.only and a.only != name):
-            continue
-        print(f"== {name}: {' '.join(cmds[name])}", flush=True)
-        server = ServerProcess(cmd=cmds[name], url=f"http://127.0.0.1:{cfg.port}", log_path=out / f"server_{name}.log")
+    steps = [int(x) for x in a.steps.split(",")]
+    base = dict(engine="sglang", model=a.model, draft=a.draft, topk=a.topk, num_prompts=a.num_prompts,
+                max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
+                requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
+                min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
+                mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg, ready_timeout_s=a.ready_timeout)
+    files = a.prompts.split(",")
+    sets: dict[str, Prompts] = {}
+    for f in files:
+        p = prepare_prompts(BenchConfig(**base, num_steps=steps[0], prompt_file=f))
+        sets[p.name] = p
+    print(f"GPU: {gpu_name()}; prompt sets: " + ", ".join(f"{n} x{len(p.token_ids)}" for n, p in sets.items()),
+          flush=True)
+    token_ids = {n: p.token_ids for n, p in sets.items()}
+
+    def cfg_for(name: str, k: int) -> BenchConfig:
+        return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
+                           prompt_file=files[list(sets).index(name)])
+
+    def run(label: str, cmd: list[str]) -> dict[str, ServerResult] | None:
+        print(f"== {label}: {' '.join(cmd)}", flush=True)
+        server = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{a.port}", log_path=out / f"server_{label}.log")
         try:
-            results[name] = bench_server(
-                name, server, prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens,
-                requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
-                timeout_s=cfg.request_timeout_s, pidfile=out / "servers.jsonl",
-                progress=lambda n, lv: print(f"{n:8s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
+            res = bench_server_sets(
+                label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
+                requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
+                pidfile=out / "servers.jsonl",
+                progress=lambda n, lv: print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
                                              f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
                                              f"{lv.accept_length}  errors {lv.errors}", flush=True))
         except LaunchError as e:
-            print(f"{name} failed to launch: {e}", flush=True)
-            return 1
+            print(f"{label} failed to launch: {e}", flush=True)
+            return None
         finally:
-            end_recorded_servers(out / "servers.jsonl")  # bench_server stopped it; this clears the record
-        (out / f"server_{name}.json").write_text(json.dumps(results[name].to_json(), indent=1))
-        print(f"{name}: started in {results[name].startup_s:.0f} s; server accept length "
-              f"{results[name].server_accept_length}", flush=True)
-    if len(results) < 2:
+            end_recorded_servers(out / "servers.jsonl")  # bench_server_sets stopped it; this clears the record
+        (out / f"server_{label}.json").write_text(json.dumps({n: r.to_json() for n, r in res.items()}, indent=1))
+        first = next(iter(res.values()))
+        print(f"{label}: started in {first.startup_s:.0f} s", flush=True)
+        return res
+
+    if a.baseline_json:
+        baseline = {n: ServerResult.from_json(d) for n, d in json.loads(Path(a.baseline_json).read_text()).items()}
+    elif a.only != "eagle3":
+        baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
+        if baseline is None:
+            return 1
+    else:
+        baseline = None
+    if a.only == "baseline" or baseline is None:
         return 0
-    report = assemble(cfg, prompts, results["baseline"], results["eagle3"])
-    report.notes.append(f"GPU: {gpu_name()}")
-    write_report(report, out)
-    print(markdown_table(report))
-    g = gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
-    print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
+    matrix = []
+    for k in steps:
+        eagle3 = run(f"eagle3@{k}", server_commands(cfg_for(next(iter(sets)), k), a.port)[1])
+        if eagle3 is None:
+            return 1
+        for name, prompts in sets.items():
+            cfg = cfg_for(name, k)
+            report = assemble(cfg, prompts, baseline[name], eagle3[name])
+            report.notes.append(f"GPU: {gpu_name()}")
+            write_report(report, out / name / f"steps{k}")
+            print(f"-- {name}, steps {k}\n" + markdown_table(report))
+            for c in base["concurrencies"]:
+                g = gate(report, target_concurrency=c, min_speedup=a.min_speedup)
+                lv = report.level("eagle3", c)
+                matrix.append({"prompt_set": name, "steps": k, "draft_tokens": cfg.spec.draft_tokens,
+                               "concurrency": c, "speedup": g.speedup, "cycle_cost_steps": g.cycle_cost_steps,
+                               "accept_length": lv.accept_length if lv else None,
+                               "baseline_tok_s": report.level("baseline", c).output_tok_s,
+                               "eagle3_tok_s": lv.output_tok_s if lv else None})
+                if c == a.target_concurrency:
+                    print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
+    (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix}, indent=1))
     return 0
 
 

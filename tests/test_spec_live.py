@@ -10,6 +10,7 @@ import pytest
 from spec_support import level, one_thread, report
 
 from eaglenest.spec.live import (
+    bench_server_sets,
     drive_level,
     percentile,
     run_levels,
@@ -115,6 +116,43 @@ def test_embedded_eagle3_server_reports_like_sglang(spec_tiny):
     assert info["speculative_algorithm"] == "EAGLE3" and server_accept_length(info) > 1.2
 
 
+class _StartedElsewhere:
+    """A ServerProcess stand-in for a server already running at ``url``: counts starts and stops."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.cmd, self.pid, self.calls = url, ["embedded"], None, []
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def wait_ready(self, **_: object) -> None:
+        self.calls.append("ready")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_one_launch_serves_every_prompt_set(spec_tiny):
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.serving import BackgroundServer
+
+    runner, _, _, seqs, plens = spec_tiny
+    prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
+    engine = EmbeddedEngine(runner, capture_dir=None)
+    try:
+        with BackgroundServer(engine) as url:
+            server = _StartedElsewhere(url)
+            results = bench_server_sets("baseline", server, {"a": prompts[:2], "b": prompts[2:]}, [1, 2],
+                                        max_new_tokens=6, ignore_eos=True, requests_per_level=3)
+    finally:
+        engine.close()
+    assert server.calls == ["start", "ready", "stop"]
+    assert list(results) == ["a", "b"]
+    for r in results.values():
+        assert [lv.concurrency for lv in r.levels] == [1, 2]
+        assert all(lv.requests == 3 and lv.errors == 0 and lv.output_tokens == 18 for lv in r.levels)
+
+
 def test_gate_passes_fails_and_refuses_to_judge():
     r = report([level(1, 100), level(16, 1000), level(64, 2000)],
                [level(1, 180, 3.0), level(16, 1100, 2.9), level(64, 1320, 2.8)])
@@ -128,6 +166,13 @@ def test_gate_passes_fails_and_refuses_to_judge():
     assert "not measured" in gate(r, target_concurrency=4).message
     bad = report([level(1, 100, errors=2)], [level(1, 300, 3.0)])
     assert not gate(bad, target_concurrency=1).passed and "failed" in gate(bad, target_concurrency=1).message
+
+
+def test_gate_reports_the_cycle_cost_in_baseline_steps():
+    """1.92 tokens per cycle at 0.66x: one cycle took 1.92 / 0.66 = 2.91 baseline steps (the break-even)."""
+    g = gate(report([level(1, 100)], [level(1, 66, 1.92)]), target_concurrency=1)
+    assert g.cycle_cost_steps == pytest.approx(1.92 / 0.66)
+    assert "one cycle costs 2.91 baseline steps" in g.message and "break-even accept length is 2.91" in g.message
 
 
 def test_gate_refuses_a_speedup_the_accept_length_cannot_explain(tmp_path):

@@ -25,7 +25,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,35 +219,50 @@ def run_levels(url: str, prompts: Sequence[list[int]], concurrencies: Sequence[i
 
 
 def bench_server(
-    name: str, server: ServerProcess, prompts: Sequence[list[int]], concurrencies: Sequence[int], *,
-    max_new_tokens: int, ignore_eos: bool = False, requests_per_level: int | None = None, warmup_requests: int = 4,
+    name: str, server: ServerProcess, prompts: Sequence[list[int]], concurrencies: Sequence[int], **kwargs: Any,
+) -> ServerResult:
+    """:func:`bench_server_sets` for one prompt set."""
+    return bench_server_sets(name, server, {"": prompts}, concurrencies, **kwargs)[""]
+
+
+def bench_server_sets(
+    name: str, server: ServerProcess, prompt_sets: Mapping[str, Sequence[list[int]]], concurrencies: Sequence[int],
+    *, max_new_tokens: int, ignore_eos: bool = False, requests_per_level: int | None = None, warmup_requests: int = 4,
     ready_timeout_s: float = 900.0, timeout_s: float = 600.0, ready: Callable[[str], bool] = probe_ready,
     progress: Callable[[str, LevelResult], None] | None = None, pidfile: Path | None = None,
-) -> ServerResult:
-    """Launch ``server``, warm it up, run every concurrency level, stop it (whole process group).
+) -> dict[str, ServerResult]:
+    """Launch ``server`` once, warm it up, run every concurrency level on each prompt set, stop it.
 
+    One launch serves several prompt sets (a server start costs about a minute on the GPU machine).
     ``pidfile`` records the server's process group so a crashed caller can end it later
-    (:func:`end_recorded_servers`).
+    (:func:`end_recorded_servers`). Results are keyed like ``prompt_sets``. Each level's accept length
+    comes from its own requests; the server's ``avg_spec_accept_length`` cross-check is cumulative, so
+    after the first set it averages over every set run so far.
     """
     t0 = time.monotonic()
     server.start()
+    results: dict[str, ServerResult] = {}
     try:
         if pidfile is not None:
             _record(pidfile, server)
         server.wait_ready(timeout_s=ready_timeout_s, ready=ready)
         startup = time.monotonic() - t0
-        if warmup_requests:
-            run_levels(server.url, prompts, [min(warmup_requests, max(concurrencies))], max_new_tokens=max_new_tokens,
-                       ignore_eos=ignore_eos, requests_per_level=warmup_requests, timeout_s=timeout_s, tag="warmup")
-        levels = run_levels(server.url, prompts, concurrencies, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                            requests_per_level=requests_per_level, timeout_s=timeout_s, tag=name,
-                            progress=(lambda lv: progress(name, lv)) if progress else None)
-        info = server_info(server.url)
+        for set_name, prompts in prompt_sets.items():
+            if warmup_requests and not results:  # the first set warms the server for all
+                run_levels(server.url, prompts, [min(warmup_requests, max(concurrencies))],
+                           max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, requests_per_level=warmup_requests,
+                           timeout_s=timeout_s, tag="warmup")
+            levels = run_levels(server.url, prompts, concurrencies, max_new_tokens=max_new_tokens,
+                                ignore_eos=ignore_eos, requests_per_level=requests_per_level, timeout_s=timeout_s,
+                                tag=name, progress=(lambda lv: progress(name, lv)) if progress else None)
+            info = server_info(server.url)
+            results[set_name] = ServerResult(
+                name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
+                startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
+                                         or k == "internal_states"})
     finally:
         server.stop()
-    return ServerResult(name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
-                        startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
-                                                 or k == "internal_states"})
+    return results
 
 
 def _record(pidfile: Path, server: ServerProcess) -> None:

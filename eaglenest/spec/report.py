@@ -191,6 +191,15 @@ class GateResult:
     min_speedup: float
     speedup: float | None
     message: str
+    cycle_cost_steps: float | None = None
+    """Baseline decode steps one speculation cycle costs (= the break-even accept length)."""
+
+
+def cycle_cost_steps(baseline_tok_s: float, eagle3_tok_s: float, accept_length: float | None) -> float | None:
+    """Time of one cycle in baseline steps: a cycle yields ``accept_length`` tokens in accept/eagle3 seconds."""
+    if accept_length is None or eagle3_tok_s <= 0 or baseline_tok_s <= 0:
+        return None
+    return accept_length * baseline_tok_s / eagle3_tok_s
 
 
 IMPLAUSIBLE_MARGIN = 1.15  # measured speedup / accept length above this: the load changed between the servers
@@ -211,25 +220,28 @@ def gate(r: BenchReport, *, target_concurrency: int, min_speedup: float = 1.0) -
                                   "and re-run before deciding")
     s = e.output_tok_s / b.output_tok_s if b.output_tok_s > 0 else 0.0
     acc = f"accept length {e.accept_length:.2f}" if e.accept_length is not None else "no accept length reported"
+    cost = cycle_cost_steps(b.output_tok_s, e.output_tok_s, e.accept_length)
+    cyc = (f"; one cycle costs {cost:.2f} baseline steps, so the break-even accept length is {cost:.2f}"
+           if cost is not None else "")
     head = (f"EAGLE3 runs at {s:.2f}x the baseline at concurrency {target_concurrency} "
-            f"({e.output_tok_s:.1f} vs {b.output_tok_s:.1f} output tok/s, {acc}; threshold {min_speedup:.2f}x)")
+            f"({e.output_tok_s:.1f} vs {b.output_tok_s:.1f} output tok/s, {acc}{cyc}; threshold {min_speedup:.2f}x)")
+
+    def result(passed: bool, message: str) -> GateResult:
+        return GateResult(passed=passed, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
+                          cycle_cost_steps=cost, message=message)
+
     if e.accept_length is not None and s > e.accept_length * IMPLAUSIBLE_MARGIN:
         note = (f"{head}: implausible — a speedup above the accept length cannot come from speculation (each "
                 f"verify forward costs at least a plain decode step), so the two servers ran under different "
                 f"load; re-measure on a quiet machine")
         if min_speedup > 0:
-            return GateResult(passed=False, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
-                              message=note)
-        return GateResult(passed=True, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
-                          message=note + " (threshold 0: reported, not gated)")
+            return result(False, note)
+        return result(True, note + " (threshold 0: reported, not gated)")
     if s >= min_speedup:
-        return GateResult(passed=True, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
-                          message=head + ": passes")
-    return GateResult(passed=False, concurrency=target_concurrency, min_speedup=min_speedup, speedup=s,
-                      message=head + ": do NOT deploy this drafter at this concurrency. A higher accept length "
-                                     "(more or engine-native training data) or fewer draft steps "
-                                     "(--speculative-num-steps) may help; speculation pays least at high "
-                                     "concurrency.")
+        return result(True, head + ": passes")
+    return result(False, head + ": do NOT deploy this drafter at this concurrency. A higher accept length "
+                               "(more or engine-native training data) or fewer draft steps "
+                               "(--speculative-num-steps) may help; speculation pays least at high concurrency.")
 
 
 def require_gate(r: BenchReport, *, target_concurrency: int, min_speedup: float = 1.0) -> GateResult:
