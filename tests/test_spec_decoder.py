@@ -174,7 +174,7 @@ def test_loader_refuses_a_wrong_target_or_folder(spec_tiny, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_smollm2_with_trained_drafter_is_lossless():
-    """Real SmolLM2 (fp32) + a trained drafter: EAGLENEST_TRAINED_DRAFTER=<exported folder>."""
+    """Real SmolLM2 (fp32) + a trained drafter, chains and trees: EAGLENEST_TRAINED_DRAFTER=<exported folder>."""
     path = os.environ.get("EAGLENEST_TRAINED_DRAFTER")
     if not path:
         pytest.skip("set EAGLENEST_TRAINED_DRAFTER to an exported SmolLM2 drafter folder")
@@ -185,15 +185,19 @@ def test_smollm2_with_trained_drafter_is_lossless():
 
     torch.set_num_threads(2)
     runner = TargetRunner(ensure_default_model(), dtype="float32", aux_layer_ids=draft_aux_layer_ids(path))
-    dec = load_spec_decoder(runner, path, num_steps=3)
     ids = P.tokenize(P.load_prompt_set("mt-bench", limit=6), runner.tokenizer)
-    acc, drafted = [], []
-    for x in ids:
-        out = dec.generate(x, max_new_tokens=40)
-        assert out.output_ids == plain_greedy(runner, x, max_new_tokens=40).output_ids
-        acc += out.accepted
-        drafted += out.drafted
-    print("SmolLM2 fp32 accept length", AcceptStats.from_cycles(acc, drafted, 3))
+    refs = [plain_greedy(runner, x, max_new_tokens=40).output_ids for x in ids]
+    for shape in ("chain3", "chain5", "tree3x4n12", "tree5x4n16", "tree4x8n24"):
+        dec = load_spec_decoder(runner, path, shape=shape)
+        acc, drafted = [], []
+        for x, ref in zip(ids, refs, strict=True):
+            out = dec.generate(x, max_new_tokens=40)
+            assert out.output_ids == ref, shape
+            acc += out.accepted
+            drafted += out.drafted
+        stats = AcceptStats.from_cycles(acc, drafted, dec.shape.depth)
+        print(f"SmolLM2 fp32 {shape}: accept length {stats.accept_length:.3f}, histogram {stats.histogram}")
+        assert max(acc) > 1, shape  # the drafter's drafts were accepted, so the tree paths were exercised
 
 
 def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_model_dir):

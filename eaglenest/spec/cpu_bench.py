@@ -109,10 +109,13 @@ class SideBySide:
         """One cycle of ``t`` in plain decode steps (best plain): total = the break-even accept length."""
         step = self.plain_step_ms
         if not t.cycles or step != step:  # nan: no plain steps
-            return {"total": float("nan"), "draft": float("nan"), "verify": float("nan"), "other": float("nan")}
+            return dict.fromkeys(("total", "draft", "verify", "other", "draft_forward"), float("nan"))
         ms = {"draft": 1e3 * t.draft_s / t.cycles, "verify": 1e3 * t.verify_s / t.cycles}
         ms["other"] = t.ms_per_cycle - ms["draft"] - ms["verify"]
-        return {"total": t.ms_per_cycle / step, **{k: v / step for k, v in ms.items()}}
+        # a cycle that drafted depth d ran d draft forwards: d - 1 while drafting, 1 extending the accepted tokens
+        forwards = sum(t.drafted) / len(t.drafted) if t.drafted else float("nan")
+        return {"total": t.ms_per_cycle / step, **{k: v / step for k, v in ms.items()},
+                "draft_forward": ms["draft"] / forwards / step if forwards else float("nan")}
 
     def mismatch_rate(self, t: MethodTotals) -> float:
         """Share of prompts whose output differs from the best plain policy's."""
@@ -139,8 +142,9 @@ class SideBySide:
                     f"{t.ms_per_cycle:6.2f} ms/{'cycle' if t.method == 'eagle3' else 'step'})")
             if t.method == "eagle3":
                 c, a = self.cycle_cost(t), t.accept()
-                line += (f" accept {a.accept_length:.3f}  cycle {c['total']:.2f} steps (draft {c['draft']:.2f}, "
-                         f"verify {c['verify']:.2f}, other {c['other']:.2f})  mismatch {self.mismatch_rate(t):.1%}")
+                line += (f" accept {a.accept_length:.3f}  cycle {c['total']:.2f} steps (draft {c['draft']:.2f} = "
+                         f"{c['draft_forward']:.3f}/forward, verify {c['verify']:.2f}, other {c['other']:.2f})  "
+                         f"mismatch {self.mismatch_rate(t):.1%}")
             out.append(line)
         best = self.best("eagle3")
         out.append(f"SPEEDUP {self.speedup:.3f}x: EAGLE3 {best.label} {best.tok_s:.2f} tok/s / best plain "
