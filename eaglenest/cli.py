@@ -34,7 +34,9 @@ def serve(
     ctx: typer.Context,
     engine: Annotated[Engine, typer.Option(help="embedded (CPU) or sglang (GPU)")] = Engine.embedded,
     model: Annotated[str, typer.Option(help="'default' (SmolLM2-135M-Instruct) or a local HF folder")] = "default",
-    capture_dir: Annotated[Path | None, typer.Option(help="write one shard per request here (off if unset)")] = None,
+    capture_dir: Annotated[Path | None, typer.Option(
+        help="write one shard per request id here, write-once: a rid sent again with other input_ids gets 409 "
+             "(off if unset)")] = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 30000,
     aux_layers: Annotated[

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -54,6 +55,11 @@ class ContractError(ValueError):
 
 class UnknownSchemaVersion(ContractError):
     """An artifact was written under a schema version this code does not know."""
+
+
+class ShardConflict(ContractError):
+    """A request id already has a shard holding other token ids (or other provenance). Servers answer 409:
+    resending cannot change the stored file, and replacing it could swap data already validated."""
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -262,6 +268,41 @@ def publish_once(path: str | Path, data: bytes) -> tuple[Path, bytes]:
     return path, data
 
 
+def publish_shard(path: str | Path, data: bytes) -> dict[str, Any]:
+    """Publish an encoded shard once and return the receipt of the file now under ``path``.
+
+    The receipt (shard name, token count, tensor shapes, bytes, sha256) is read from the stored file's
+    own bytes, so it never describes a capture that was not kept. When the id already has a shard (a
+    client's retry after a timeout, a re-sent request), the answer is idempotent only if that file holds
+    the same input_ids and provenance (``existing`` is then true); otherwise :class:`ShardConflict` names
+    the id and nothing is written.
+    """
+    path, kept = publish_once(path, data)
+    existing = kept is not data
+    if existing:
+        _require_same_request(path, kept, data)
+    header = _read_header(kept, str(path))
+    return {"shard": path.name, "num_tokens": header["input_ids"]["shape"][0],
+            "aux_hidden": header["aux_hidden"]["shape"], "final_hidden": header["final_hidden"]["shape"],
+            "bytes": len(kept), "sha256": sha256_bytes(kept), "existing": existing}
+
+
+def _require_same_request(path: Path, stored: bytes, new: bytes) -> None:
+    sent = decode_shard(new, where=f"new capture for {path.name}")
+    rid = sent.sample_id
+    try:
+        have = decode_shard(stored, where=str(path))
+    except ContractError as e:
+        raise ShardConflict(f"rid {rid!r} already has a shard {path.name} that cannot be read ({e}); the new "
+                            "capture was not stored: move the old shard away, then resend") from None
+    diff = have.provenance.mismatches(sent.provenance)
+    if not torch.equal(have.input_ids, sent.input_ids) or diff:
+        what = (f"other input_ids ({have.num_tokens} tokens stored, {sent.num_tokens} sent)" if not diff
+                else f"other provenance ({', '.join(diff)})")
+        raise ShardConflict(f"rid {rid!r} already has a shard {path.name} with {what}; the new capture was not "
+                            "stored: send it under a new rid, or move the old shard away first")
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or +-inf in ``t``. min/max propagate NaN, so two reductions decide it: ~10x faster than
     ``isfinite(t).all()`` for bf16 on the CPU (where the capture writer checks every shard)."""
@@ -298,7 +339,7 @@ def write_shard(directory: str | Path, shard: Shard) -> Path:
     return atomic_write_bytes(directory / shard_filename(shard.sample_id), encode_shard(shard))
 
 
-def _read_metadata(data: bytes, where: str) -> dict[str, str]:
+def _read_header(data: bytes, where: str) -> dict[str, Any]:
     if len(data) < 8:
         raise ContractError(f"{where}: truncated (size {len(data)} bytes)")
     header_len = int.from_bytes(data[:8], "little")
@@ -308,7 +349,13 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
         header = json.loads(data[8 : 8 + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ContractError(f"{where}: garbage header ({e})") from None
-    return header.get("__metadata__") or {}
+    if not isinstance(header, dict):
+        raise ContractError(f"{where}: garbage header (not a JSON object)")
+    return header
+
+
+def _read_metadata(data: bytes, where: str) -> dict[str, str]:
+    return _read_header(data, where).get("__metadata__") or {}
 
 
 def decode_shard(data: bytes, *, where: str = "shard") -> Shard:

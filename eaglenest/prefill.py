@@ -6,9 +6,10 @@ Owns how requests reach servers and which failures are retried:
   server pulling from one queue, so a fast server takes more work and a dead one takes none.
 - Retryable (re-queued with exponential backoff + jitter, possibly to another server, up to
   ``max_attempts``): connection errors/resets, timeouts, 5xx except 507, 408, 429. Terminal (reported
-  per job, never retried): other 4xx (400 bad request, 413 context, 422 capture invalid), 507 (disk
-  full: the server is also taken out of the call, no retry storm), and contract violations in an
-  answer (wrong shard name or token count, prefix-cache reuse).
+  per job, never retried): other 4xx (400 bad request, 409 a rid whose shard on the server holds other
+  tokens, 413 context, 422 capture invalid), 507 (disk full: the server is also taken out of the call,
+  no retry storm), and contract violations in an answer (wrong shard name or token count, prefix-cache
+  reuse).
 - A server with ``down_after`` consecutive connection failures (or a full window of timeouts) is taken
   out of this call; when none is left, the rest fails fast as retryable ``server_unavailable`` (the
   caller relaunches).
@@ -82,7 +83,8 @@ class Failure:
     key: str
     kind: Kind
     reason: str
-    """Short class: connection | timeout | server_error | client_error | disk_full | contract | server_unavailable."""
+    """Short class: connection | timeout | server_error | client_error | conflict | disk_full | contract |
+    server_unavailable."""
     message: str
     server: str | None
     attempts: int
@@ -310,6 +312,8 @@ def _classify_status(r: httpx.Response) -> _Attempt:
         if r.headers.get("retry-after", "").isdigit():
             retry_after = min(float(r.headers["retry-after"]), 60.0)
         return _Attempt("retryable", "server_error", msg, code, retry_after=retry_after)
+    if code == 409:  # the rid's shard holds another request's tokens: resending cannot change that file
+        return _Attempt("terminal", "conflict", msg, code)
     return _Attempt("terminal", "client_error", msg, code)
 
 

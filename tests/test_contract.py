@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -171,3 +172,26 @@ def test_shards_are_write_once(tmp_path):
     path2, kept2 = contract.publish_once(tmp_path / "dup.safetensors", second)
     assert path2 == path and kept2 == first and path.read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.safetensors"]  # no temporary left
+
+
+def test_publish_shard_describes_the_stored_file_or_refuses_another_request(tmp_path):
+    """A reused id: same tokens and provenance -> the existing file's receipt; anything else -> ShardConflict."""
+    path = tmp_path / "dup.safetensors"
+    first = contract.encode_shard(make_shard("dup", seed=1))
+    receipt = contract.publish_shard(path, first)
+    assert not receipt["existing"] and receipt["sha256"] == contract.sha256_bytes(first)
+    assert (receipt["num_tokens"], receipt["aux_hidden"], receipt["final_hidden"]) == (5, [5, 24], [5, 8])
+    same_ids = make_shard("dup", seed=1)
+    same_ids = dataclasses.replace(same_ids, final_hidden=same_ids.final_hidden + 1)  # recomputed: other numerics
+    again = contract.publish_shard(path, contract.encode_shard(same_ids))
+    assert again == {**receipt, "existing": True}
+    longer = contract.encode_shard(make_shard("dup", t=6, seed=1))
+    with pytest.raises(contract.ShardConflict, match=r"rid 'dup' .*5 tokens stored, 6 sent"):
+        contract.publish_shard(path, longer)
+    other_model = dataclasses.replace(make_shard("dup", seed=1), provenance=make_provenance(model_hash="d" * 64))
+    with pytest.raises(contract.ShardConflict, match="other provenance"):
+        contract.publish_shard(path, contract.encode_shard(other_model))
+    assert path.read_bytes() == first and sorted(p.name for p in tmp_path.iterdir()) == ["dup.safetensors"]
+    path.write_bytes(first[: len(first) // 2])  # a damaged stored file is not silently answered for
+    with pytest.raises(contract.ShardConflict, match="cannot be read"):
+        contract.publish_shard(path, first)

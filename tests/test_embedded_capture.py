@@ -169,3 +169,36 @@ def test_model_info_reports_capture_contract(capture_server, tiny_runner):
     assert info["capture"]["aux_layer_ids"] == [1, 3, 4]
     assert contract.Provenance.from_json(info["capture"]["provenance"]) == engine.provenance
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_reused_rid_answers_from_its_shard_or_409_and_the_client_stops(capture_server):
+    url, engine = capture_server
+    path = engine.capture_dir / "again.safetensors"
+
+    def send(ids):
+        return httpx.post(f"{url}/generate", json={"input_ids": ids, "rid": "again",
+                                                   "sampling_params": {"max_new_tokens": 0}}, timeout=30)
+
+    first = send([5, 6, 7])
+    assert first.status_code == 200, first.text
+    stored = path.read_bytes()
+    same = send([5, 6, 7])  # a retry after a timeout: idempotent, the receipt is the stored file's
+    assert same.status_code == 200, same.text
+    cap = same.json()["meta_info"]["capture"]
+    assert cap["existing"] and cap["num_tokens"] == 3 and cap["bytes"] == len(stored)
+    assert cap["sha256"] == contract.sha256_bytes(stored) == first.json()["meta_info"]["capture"]["sha256"]
+    other = send([5, 6, 7, 8])  # another request under a used rid: never a 200 for a capture not stored
+    assert other.status_code == 409, other.text
+    err = other.json()["error"]
+    assert err["type"] == "rid_conflict" and "'again'" in err["message"] and "3 tokens stored, 4 sent" in err["message"]
+    assert path.read_bytes() == stored and [p.name for p in engine.capture_dir.iterdir()] == [path.name]
+
+    from eaglenest.data import Sample
+    from eaglenest.prefill import ClientConfig, prefill
+
+    res = prefill([Sample(sample_id="again", input_ids=[5, 6, 7, 8], loss_spans=()),
+                   Sample(sample_id="fresh", input_ids=[9, 10], loss_spans=())], [url],
+                  config=ClientConfig(max_attempts=3, backoff_s=0.0))
+    f = res.failures["again"]  # terminal for that sample, named, sent once; the rest goes on
+    assert (f.kind, f.reason, f.status, f.attempts) == ("terminal", "conflict", 409, 1) and "'again'" in f.message
+    assert set(res.answers) == {"fresh"} and res.stats.requests == 2

@@ -86,6 +86,21 @@ def test_terminal_statuses_are_never_retried(status, reason):
         assert all(f"no ({status})" in f.message for f in failed)
 
 
+def test_a_rid_conflict_is_a_terminal_failure_of_that_sample_only():
+    def rule(req, n, tries):
+        rid = json.loads(req.content)["rid"]
+        if rid == "s1":
+            return httpx.Response(409, json={"error": {"message": f"rid {rid!r} already has a shard with other "
+                                                                  "input_ids", "type": "rid_conflict"}})
+        return ok(req)
+
+    rec = Recorder(rule)
+    res = run(rec, n=4)
+    f = res.failures["s1"]
+    assert (f.kind, f.reason, f.status, f.attempts) == ("terminal", "conflict", 409, 1) and "'s1'" in f.message
+    assert rec.per_rid["s1"] == 1 and set(res.answers) == {"s0", "s2", "s3"}
+
+
 def test_retries_stop_at_max_attempts_with_the_reason():
     rec = Recorder(lambda req, n, tries: httpx.Response(500, json={"error": {"message": "boom"}}))
     res = run(rec, n=2, max_attempts=3, down_after=100)

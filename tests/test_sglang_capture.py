@@ -283,6 +283,29 @@ def test_plugin_glue_captures_prefill_chunks_and_skips_the_rest(glue, tmp_path):
     check_shard(cap / "c.safetensors", 2, 2)
 
 
+def test_plugin_glue_answers_a_reused_rid_from_its_shard_or_409(glue, tmp_path):
+    runtime, lp, runner, _writer = glue
+    receipts, path = tmp_path / "receipts", tmp_path / "capture" / "r.safetensors"
+
+    def receipt_of(req, parts):
+        forward(runtime, lp, runner, [req], [0], [len(req.origin_input_ids)], parts)
+        return asyncio.run(wait_for_receipt(receipts, "r", timeout_s=30))  # consumed, as the HTTP side does
+
+    first = receipt_of(fake_req("r", 3), [(0, range(3))])
+    stored = path.read_bytes()
+    assert first["ok"] and not first["existing"] and first["sha256"] == contract.sha256_bytes(stored)
+    same = receipt_of(fake_req("r", 3), [(5, range(3))])  # same tokens, other numerics: the stored file stands
+    assert same["ok"] and same["existing"] and {**same, "existing": False} == first
+    check_shard(path, 0, 3)
+    other = receipt_of(fake_req("r", 4), [(6, range(4))])  # other tokens under a used rid
+    assert not other["ok"] and other["status"] == 409 and other["kind"] == "rid_conflict"
+    assert "'r'" in other["message"] and "3 tokens stored, 4 sent" in other["message"]
+    assert path.read_bytes() == stored and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    with pytest.raises(plugin.CaptureFailed) as e:  # sglang answers the HTTP request with the receipt's status
+        run_hold([{"meta_info": {"finish_reason": {"type": "length"}}}], tmp_path / "http", rid="r", receipt=other)
+    assert e.value.status_code == 409 and "'r'" in str(e.value)
+
+
 def test_plugin_glue_accepts_packed_aux_states(glue, tmp_path):
     _runtime, lp, runner, writer = glue
     batch = SimpleNamespace(reqs=[fake_req("packed", 4)], prefix_lens=[0], extend_lens=[4])

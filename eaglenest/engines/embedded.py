@@ -13,9 +13,13 @@ Owns request handling and batching for the embedded engine:
   writer pool; the HTTP answer is sent only after its shard is durable, and names the shard and
   shapes in ``meta_info.capture``.
 
-Errors: 400 for bad requests (naming the field), 413 for prompts beyond the context, 422 for
-captures that break the contract (non-finite values: never written), 507 when the disk is full
-(terminal: no retry storm), 500 otherwise.
+A rid that already has a shard is answered from that file when the request is the same (same
+input_ids and provenance: idempotent, ``existing: true``) and refused otherwise; a receipt always
+describes the file on disk.
+
+Errors: 400 for bad requests (naming the field), 409 for a rid whose shard holds other token ids,
+413 for prompts beyond the context, 422 for captures that break the contract (non-finite values:
+never written), 507 when the disk is full (terminal: no retry storm), 500 otherwise.
 """
 
 from __future__ import annotations
@@ -216,24 +220,20 @@ class EmbeddedEngine:
             provenance=self.provenance,
         )
         try:
-            path, data = contract.publish_once(self.capture_dir / contract.shard_filename(w.rid),
-                                               contract.encode_shard(shard))
+            receipt = contract.publish_shard(self.capture_dir / contract.shard_filename(w.rid),
+                                             contract.encode_shard(shard))
+        except contract.ShardConflict as e:
+            raise RequestError(409, str(e), "rid_conflict") from None
         except contract.ContractError as e:
             raise RequestError(422, str(e), "capture_invalid") from None
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise RequestError(507, f"capture disk full writing {w.rid!r}: {e}", "disk_full") from None
             raise RequestError(500, f"capture write failed for {w.rid!r}: {e}", "write_failed") from None
-        self.stats["shards"] += 1
-        self.stats["shard_bytes"] += len(data)
-        return {
-            "shard": path.name,
-            "num_tokens": len(w.input_ids),
-            "aux_hidden": list(cap.aux_hidden.shape),
-            "final_hidden": list(cap.final_hidden.shape),
-            "bytes": len(data),
-            "sha256": contract.sha256_bytes(data),
-        }
+        if not receipt["existing"]:
+            self.stats["shards"] += 1
+            self.stats["shard_bytes"] += receipt["bytes"]
+        return receipt
 
     # ---------------------------------------------------------------- info
     def model_info(self) -> dict[str, Any]:

@@ -11,13 +11,15 @@ Owns everything the plugin does that needs no GPU and no sglang import, so CI co
   request's own prefill. Anything else (a prefix served from a cache, a lost chunk, rows beyond the
   prompt) fails the sample terminally.
 - :class:`CaptureWriter`: one dispatcher thread (waits for the device copy, splits, coalesces,
-  encodes) and a small pool writing shards with ``contract.atomic_write_bytes``. A *receipt* is
-  written after each shard is durable (or naming the failure); the HTTP side waits for it before
-  answering (:mod:`sglang_receipts`). Bounded: the caller's host-buffer slots bound batches in
-  flight, a semaphore bounds encoded shards waiting for the disk.
+  encodes) and a small pool writing shards with ``contract.publish_shard`` (write-once). A *receipt*
+  is written after each shard is durable (or naming the failure); the HTTP side waits for it before
+  answering (:mod:`sglang_receipts`). A rid that already has a shard gets that file's receipt when its
+  token ids and provenance match, else a 409 ``rid_conflict`` failure. Bounded: the caller's
+  host-buffer slots bound batches in flight, a semaphore bounds encoded shards waiting for the disk.
 
-Invariants: a receipt saying ok exists only after its shard was fsynced and renamed; nothing with a
-non-finite value is written; a failure is reported, never swallowed.
+Invariants: a receipt saying ok exists only after its shard was fsynced and renamed, and it describes
+the file under that name (read from its bytes); nothing with a non-finite value is written; a failure
+is reported, never swallowed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -348,18 +349,18 @@ class CaptureWriter:
         except contract.ContractError as e:
             self.fail(done.rid, str(e))
             return
-        meta = {"num_tokens": len(ids), "aux_hidden": list(done.aux_hidden.shape),
-                "final_hidden": list(done.final_hidden.shape)}
         self._slots.acquire()  # back-pressure: bounded encoded shards waiting for the disk
-        self._pool.submit(self._write, done.rid, data, meta)
+        self._pool.submit(self._write, done.rid, data)
 
-    def _write(self, rid: str, data: bytes, meta: dict[str, Any]) -> None:
+    def _write(self, rid: str, data: bytes) -> None:
         try:
-            path, data = contract.publish_once(self.capture_dir / contract.shard_filename(rid), data)
-            self._count("shards")
-            self._count("shard_bytes", len(data))
-            write_receipt(self.receipt_dir, rid, {"ok": True, "shard": path.name, **meta, "bytes": len(data),
-                                                  "sha256": contract.sha256_bytes(data)})
+            receipt = contract.publish_shard(self.capture_dir / contract.shard_filename(rid), data)
+            if not receipt["existing"]:
+                self._count("shards")
+                self._count("shard_bytes", receipt["bytes"])
+            write_receipt(self.receipt_dir, rid, {"ok": True, **receipt})
+        except contract.ShardConflict as e:
+            self.fail(rid, str(e), status=409, kind="rid_conflict")
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 self.fail(rid, f"capture disk full writing {rid!r}: {e}", status=507, kind="disk_full")

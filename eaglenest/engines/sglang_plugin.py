@@ -23,7 +23,7 @@ HTTP process (the one sglang.launch_server runs, not started by multiprocessing)
 - ``TokenizerManager._init_req_state``: drop stale receipts of incoming rids.
 - ``TokenizerManager._wait_one_response``: hold each captured request's final answer until its
   receipt says the shard is durable; add ``meta_info.capture``; a failed capture answers with the
-  receipt's status (422 invalid, 507 disk full, 504 timeout).
+  receipt's status (422 invalid, 409 a rid whose shard holds other tokens, 507 disk full, 504 timeout).
 - ``http_server.model_info`` (serves ``/get_model_info``): add the ``capture`` block.
 """
 
