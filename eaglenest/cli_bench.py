@@ -127,8 +127,9 @@ def cpu(
     save_shape: Annotated[bool, typer.Option(help="make the fastest shape measured the default")] = False,
     dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float32")] = "auto",
     threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
-    plain_policies: Annotated[str, typer.Option(help="oneDNN policies for plain greedy")] = "onednn,prefill-only",
-    spec_policies: Annotated[str, typer.Option(help="oneDNN policies for EAGLE-3")] = "prefill-only",
+    plain_policies: Annotated[str, typer.Option(help="oneDNN policies for plain greedy (default: "
+                                                "eaglenest.spec.cpu_bench.PLAIN_POLICIES)")] = "",
+    spec_policies: Annotated[str, typer.Option(help="oneDNN policies for EAGLE-3 (default: SPEC_POLICIES)")] = "",
     out: Annotated[Path | None, typer.Option(help="JSON result (default results/cpu_spec_<time>.json)")] = None,
 ) -> None:
     """Wall-clock speedup, accept length and cycle cost of a drafter vs plain greedy, side by side."""
@@ -143,8 +144,8 @@ def cpu(
     load = os.getloadavg()
     result = run_cpu_bench(model=model, draft=draft, prompt_set=prompt_set, num_prompts=num_prompts,
                            max_new_tokens=max_new_tokens, shapes=[s for s in shapes.split(",") if s] or None,
-                           dtype=dtype, plain_policies=[p for p in plain_policies.split(",") if p],
-                           spec_policies=[p for p in spec_policies.split(",") if p], rounds=rounds,
+                           dtype=dtype, plain_policies=[p for p in plain_policies.split(",") if p] or None,
+                           spec_policies=[p for p in spec_policies.split(",") if p] or None, rounds=rounds,
                            progress=lambda m: typer.echo(m, err=True))
     record = run_record(result, argv=sys.argv, load_before=load)
     typer.echo("\n".join(result.lines()))

@@ -47,8 +47,8 @@ def main() -> int:
     ap.add_argument("--save-shape", action="store_true", help="make the fastest shape measured the default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--plain-policies", default=",".join(PLAIN_POLICIES))
-    ap.add_argument("--spec-policies", default=",".join(SPEC_POLICIES))
+    ap.add_argument("--plain-policies", default="", help=f"oneDNN policies (default {','.join(PLAIN_POLICIES)})")
+    ap.add_argument("--spec-policies", default="", help=f"oneDNN policies (default {','.join(SPEC_POLICIES)})")
     ap.add_argument("--json-out", type=Path, default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -56,8 +56,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load}", file=sys.stderr)
     res = run_cpu_bench(model=a.model, draft=a.draft, prompt_set=a.prompt_set, num_prompts=a.num_prompts,
                         max_new_tokens=a.max_new_tokens, shapes=[s for s in a.shapes.split(",") if s] or None,
-                        dtype=a.dtype, plain_policies=[p for p in a.plain_policies.split(",") if p],
-                        spec_policies=[p for p in a.spec_policies.split(",") if p], rounds=a.rounds,
+                        dtype=a.dtype, plain_policies=[p for p in a.plain_policies.split(",") if p] or None,
+                        spec_policies=[p for p in a.spec_policies.split(",") if p] or None, rounds=a.rounds,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     record = run_record(res, argv=[sys.executable, *sys.argv], load_before=load)
     print("\n".join(res.lines()))

@@ -30,8 +30,10 @@ from eaglenest.spec.tree import SpecShape
 PLAIN_POLICIES = ("onednn", "prefill-only")
 """For plain greedy decoding ``prefill+verify`` is ``prefill-only`` and ``no-onednn`` prefills ~7x
 slower (FACTS.md); so these two are the candidates for the best plain setting."""
-SPEC_POLICIES = ("prefill-only",)
-"""oneDNN for the prompt only: 1-token draft steps and 4-16-token verify forwards ran faster without."""
+SPEC_POLICIES = ("prefill+verify",)
+"""1-row forwards (chain draft steps, 1-token extends) without oneDNN, multi-row ones with prepacked
+oneDNN: on a 2-core Xeon (bf16, random drafter, chain3) a cycle cost 1.51 plain steps so, 1.61 with
+oneDNN everywhere and 2.88 with oneDNN for the prompt only (the 4-token verify alone 2.5 steps)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,11 +216,12 @@ def side_by_side(
 def run_cpu_bench(
     *, model: str = "default", draft: str, prompt_set: str = "mt-bench", num_prompts: int = 8,
     max_new_tokens: int = 64, shapes: Sequence[SpecShape | str] | None = None, dtype: str = "auto",
-    plain_policies: Sequence[str] = PLAIN_POLICIES, spec_policies: Sequence[str] = SPEC_POLICIES, rounds: int = 1,
+    plain_policies: Sequence[str] | None = None, spec_policies: Sequence[str] | None = None, rounds: int = 1,
     prompt_ids: Sequence[list[int]] | None = None, progress: Callable[[str], None] | None = None,
 ) -> SideBySide:
     """Load target + drafter (``draft='random'``: an untrained one, smoke test only) and run
-    :func:`side_by_side`; ``shapes`` None: the measured best shape only."""
+    :func:`side_by_side`; ``shapes`` None: the measured best shape only; policies None:
+    :data:`PLAIN_POLICIES` and :data:`SPEC_POLICIES`."""
     import tempfile
 
     from eaglenest.models import resolve_model
@@ -240,8 +243,9 @@ def run_cpu_bench(
         notes.append(f"prompts: {ps.name} ({ps.source})")
     chosen = [SpecShape.parse(s) if isinstance(s, str) else s for s in (shapes or [measured_best_shape()])]
     result = side_by_side(runner, lambda pol, shape: load_spec_decoder(runner, draft, shape=shape, onednn=pol),
-                          list(prompt_ids), max_new_tokens=max_new_tokens, shapes=chosen, plain_policies=plain_policies,
-                          spec_policies=spec_policies, rounds=rounds, model_name=str(model_dir), draft_name=str(draft),
+                          list(prompt_ids), max_new_tokens=max_new_tokens, shapes=chosen,
+                          plain_policies=plain_policies or PLAIN_POLICIES, spec_policies=spec_policies or SPEC_POLICIES,
+                          rounds=rounds, model_name=str(model_dir), draft_name=str(draft),
                           progress=progress)
     result.notes += notes
     return result
