@@ -66,8 +66,6 @@ def test_verify_mask_and_acceptance_by_hand():
     chain = DraftTree.chain([5, 6, 7])
     assert chain.is_chain and verify_inputs(1, chain, past=3)[1:] == (None, None)
     assert accept(chain, [5, 6, 9, 9]) == ([0, 1], 9)
-    assert tree.truncated(1) == DraftTree([10, 11, 12], [-1, -1, -1])
-    assert tree.truncated(2).parents == [-1, -1, -1, 0, 0, 2]
 
 
 def test_fast_drafter_equals_the_reference_drafter(spec_tiny):

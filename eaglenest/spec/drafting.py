@@ -132,12 +132,13 @@ class Eagle3Proposer:
         self.last_logits: torch.Tensor | None = None  # [Vd]
         self.root_pos = 0  # target position of the current root token
 
-    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
-                 onednn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        with phase(self.onednn.rows(ids.shape[0]) if onednn is None else onednn):
+    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with phase(self.onednn.rows(ids.shape[0])):
             return self.fd.forward(self.state, ids, hidden, pos, mask)
 
     def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor, onednn: bool | None = None) -> None:
+        """Rows over target features (``onednn``: the phase's setting; None: by row count)."""
         start = self.state.length
         ids = torch.tensor(list(tokens), device=self.fd.d2t.device)
         pos = torch.arange(start, start + len(tokens), device=ids.device)

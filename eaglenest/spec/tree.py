@@ -105,12 +105,6 @@ class DraftTree:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
-    def truncated(self, max_depth: int) -> DraftTree:
-        """The nodes at depth <= max_depth (a shorter budget near the end of a generation)."""
-        keep = [i for i, d in enumerate(self.depths()) if d <= max_depth]
-        where = {old: new for new, old in enumerate(keep)}
-        return DraftTree([self.tokens[i] for i in keep], [where.get(self.parents[i], -1) for i in keep])
-
 
 def verify_inputs(root: int, tree: DraftTree, past: int, *, device: torch.device | str = "cpu"):
     """(input_ids [1, N+1], position_ids [1, N+1], mask [1, 1, N+1, past+N+1] bool or None for a chain)
