@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eaglenest import contract
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 from eaglenest.spec.bench import BenchConfig
 from eaglenest.wheels import sha256_file
 
@@ -148,7 +148,7 @@ def extraction_key(plan: PipelinePlan) -> str:
 
 def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str:
     """The validated samples (ids, shard hashes, loss spans) and where they go."""
-    from eaglenest.ledger import content_key
+    from eaglenest.extraction.ledger import content_key
 
     return content_key(extraction_dir, [store_url, target_file_mb])
 

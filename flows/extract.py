@@ -1,7 +1,8 @@
-"""The ``extract`` flow: prompts -> tokenized samples -> batched prefill on capture servers -> validated ledger.
+"""The ``extract`` flow: prompts -> (regenerated) samples -> prefill with capture -> validated ledger.
 
-Composition only (every step is a task in ``tasks/extract.py`` over the library). The parameter is
-:class:`eaglenest.extract_config.ExtractParams` (rendered as a form in the UI). Re-running with the
+Composition only: the library's one loop (:func:`eaglenest.extraction.run.run_extraction`) runs with
+:func:`tasks.extract.step`, which makes each of its steps a Prefect task. The parameter is
+:class:`eaglenest.extraction.config.ExtractParams` (rendered as a form in the UI). Re-running with the
 same parameters resumes the same extraction and does only the missing work (zero requests and no
 server launched when it is complete). The run ends Failed when samples remain pending after it
 (failed requests or invalid shards: see report.json), so a Retry from the UI resumes it.
@@ -9,14 +10,13 @@ server launched when it is complete). The run ends Failed when samples remain pe
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eaglenest.extract import Counts
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.run import run_extraction
 from tasks import extract as t
 from tasks.store import convert_or_cached
 
@@ -46,47 +46,19 @@ def store_step(extraction_dir: Path, report: dict, params: ExtractParams) -> dic
       task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
 def extract(params: ExtractParams = ExtractParams()) -> dict:
     logger = get_run_logger()
-    t0 = time.perf_counter()
-    ext = t.open_extraction(params)
-    t.prepare.with_options(result_storage=t.results_storage(ext))(ext)
-    prepared, batches = t.plan(ext)
-    counts, relaunches, launched = Counts(), 0, 0
-    logger.info("extraction %s: %d samples, %d pending in %d batches", ext.id, len(prepared.samples),
-                sum(map(len, batches)), len(batches))
-    if batches:
-        progress = t.ProgressReporter(ext, sum(map(len, batches)))
-        with t.serving(ext) as pool:
-            ctx = t.connect(ext, pool)
-            requeue, running = [], None
-            for batch in batches:
-                if params.regeneration.enabled:
-                    batch, c = t.regenerate_batch(ext, ctx, batch)
-                    counts.add(c)
-                step = t.prefill_batch(ext, ctx, batch, progress)
-                counts.add(step.counts)
-                if running is not None:  # validate batch i while batch i + 1 was prefilled
-                    v = running.result()
-                    counts.add(v.counts)
-                    requeue += v.requeue
-                running = t.validate_batch.submit(ext, ctx, step.to_validate)
-                progress.advance(len(batch))
-            if running is not None:
-                v = running.result()
-                counts.add(v.counts)
-                requeue += v.requeue
-            if requeue:
-                step = t.prefill_batch(ext, ctx, requeue)
-                counts.add(step.counts)
-                counts.add(t.validate_batch(ext, ctx, step.to_validate, allow_requeue=False).counts)
-            relaunches, launched = pool.relaunches, pool.launched
-    rep = t.report(ext, prepared, counts, time.perf_counter() - t0, relaunches, launched)
-    store = store_step(ext.dir, rep, params)
+    ext_id = params.resolved_extraction_id()
+    rep = run_extraction(params, step=t.step, on_progress=t.ProgressReporter(ext_id))
+    t.publish_report(rep)
+    r = rep["run"]
+    logger.info("extraction %s: %d of %d samples done; this run %d validated, phases %s, rates %s", ext_id,
+                rep["done"], rep["samples"], r["validated"], r["phases_s"], r["rates"])
+    store = store_step(Path(rep["dir"]), rep, params)
     if store is not None:
         rep = {**rep, "store": store}
     if rep["pending"]:
         raise ExtractionIncomplete(
-            f"extraction {ext.id}: {rep['pending']} samples still pending ({rep['run']['failed']} failed, "
-            f"{rep['run']['invalid']} invalid this run; reasons in {ext.dir / 'report.json'}); re-run to resume")
+            f"extraction {ext_id}: {rep['pending']} samples still pending ({r['failed']} failed, "
+            f"{r['invalid']} invalid this run; reasons in {Path(rep['dir']) / 'report.json'}); re-run to resume")
     return rep
 
 

@@ -28,7 +28,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from eaglenest import pipeline as lib
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 from eaglenest.wheels import sha256_file
 from flows.bench import bench
 from flows.extract import extract
@@ -194,11 +194,19 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 
 
 # ------------------------------------------------------------------------------ make demo
-def demo_params(out: str = "runs/demo", prompts: int = 128) -> lib.PipelineParams:
-    """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores."""
+DEMO_PROMPTS = 40
+
+
+def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> lib.PipelineParams:
+    """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores.
+
+    The data is the default recipe (the target answers the prompts itself) at its small size: first turns
+    only, answers of at most 96 tokens (a longer answer is cut and its sample skipped), 384 tokens a sample:
+    the CPU decodes one answer at a time at a few dozen tokens per second."""
     return lib.PipelineParams.model_validate({
         "run_dir": out,
-        "extract": {"source": "sharegpt", "limit": prompts, "max_turns": 1, "max_tokens": 384, "batch_size": 16,
+        "extract": {"recipe": "regenerate", "source": "sharegpt", "limit": prompts, "max_turns": 1,
+                    "max_tokens": 384, "regeneration": {"max_new_tokens": 96}, "batch_size": 16,
                     "concurrency": 4, "embedded_max_batch_size": 4, "extraction_id": f"demo-{prompts}"},
         "train": {"max_tokens": 2048, "max_seq_len": 384, "epochs": 12, "ttt_steps": 3, "draft_vocab_size": 4096,
                   "max_minutes": 3.0, "eval_every": 0, "save_every": 50, "eval_max_samples": 6,
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", action="store_true", help="the embedded default at demo size (make demo)")
     ap.add_argument("--out", default="runs/demo", help="run folder for --demo")
-    ap.add_argument("--prompts", type=int, default=128, help="ShareGPT prompts for --demo")
+    ap.add_argument("--prompts", type=int, default=DEMO_PROMPTS, help="ShareGPT prompts for --demo")
     ap.add_argument("--params", help="PipelineParams as JSON (a file path or the JSON itself)")
     a = ap.parse_args(argv)
     if a.params:

@@ -32,9 +32,9 @@ import httpx
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.launcher import ServerProcess, embedded_command, launched
 from eaglenest.engines.serving import free_port
-from eaglenest.extract import open_extraction, prepare
-from eaglenest.extract_config import ExtractParams
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction, prepare
 
 
 async def send_all(url: str, prompts: list[list[int]], concurrency: int, tag: str) -> float:
@@ -75,7 +75,8 @@ def main() -> None:
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    params = ExtractParams(source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
+    params = ExtractParams(recipe="capture",
+                           source=a.source, limit=a.samples, max_turns=1, max_tokens=a.max_tokens, model=a.model,
                            dtype=a.dtype, batch_size=a.batch_size, concurrency=a.concurrency,
                            output_dir=str(work), extraction_id="bench")
     ext = open_extraction(params)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.ledger import Ledger
+from eaglenest.extraction.ledger import Ledger
 from eaglenest.store import StoreDataset, convert, open_store
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard
 

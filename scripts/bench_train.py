@@ -73,7 +73,7 @@ def capture(args) -> None:
 
     from eaglenest import contract
     from eaglenest.engines.runtime import TargetRunner
-    from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans
+    from eaglenest.extraction.ledger import Ledger, LedgerEntry, mask_to_spans
     from eaglenest.models import resolve_model
 
     runner = TargetRunner(resolve_model(args.model), dtype="auto")

@@ -132,9 +132,10 @@ def phase_model(a) -> dict:
 
 
 def _params(a, url: str):
-    from eaglenest.extract_config import ExtractParams
+    from eaglenest.extraction.config import ExtractParams
 
-    return ExtractParams(source=str(a.prompts), limit=a.limit, max_tokens=a.max_tokens, model=str(model_dir(a)),
+    return ExtractParams(recipe="capture",
+                         source=str(a.prompts), limit=a.limit, max_tokens=a.max_tokens, model=str(model_dir(a)),
                          engine=a.engine, server_urls=[url], batch_size=a.batch_size, concurrency=a.concurrency,
                          output_dir=str(a.work / "extractions"), extraction_id="gpu-run", shard_wait_s=120,
                          request_timeout_s=900, launch_timeout_s=600)
@@ -142,7 +143,7 @@ def _params(a, url: str):
 
 def _prefill_rate(samples, url: str, prefix: str, concurrency: int) -> dict:
     """Prefill-only throughput of one server through the extraction's own client (after a warm-up pass)."""
-    from eaglenest.prefill import ClientConfig, prefill
+    from eaglenest.extraction.prefill import ClientConfig, prefill
 
     config = ClientConfig(concurrency=concurrency, timeout_s=900)
     prefill([dataclasses.replace(s, sample_id=f"{prefix}warm-{s.sample_id}") for s in samples[:256]], [url],
@@ -155,9 +156,9 @@ def _prefill_rate(samples, url: str, prefix: str, concurrency: int) -> dict:
 
 def phase_capture(a) -> dict:
     from eaglenest.data.samples import read_samples
-    from eaglenest.extract import open_extraction, prepare
-    from eaglenest.extract_run import run_extraction
-    from eaglenest.ledger import Ledger
+    from eaglenest.extraction.ledger import Ledger
+    from eaglenest.extraction.run import run_extraction
+    from eaglenest.extraction.state import open_extraction, prepare
 
     port = 31000
     ext = open_extraction(_params(a, f"http://127.0.0.1:{port}"))
@@ -201,7 +202,7 @@ def phase_reference(a) -> dict:
     import torch
 
     from eaglenest.engines.runtime import TargetRunner
-    from eaglenest.ledger import Ledger
+    from eaglenest.extraction.ledger import Ledger
 
     ext_dir = a.work / "extractions" / "gpu-run"
     entries = sorted(Ledger(ext_dir).entries().values(), key=lambda e: e.num_tokens)

@@ -1,17 +1,17 @@
-"""Prefect tasks for extraction: thin shells over ``eaglenest.extract`` / ``eaglenest.extract_run``.
+"""Prefect tasks for extraction: the step wrapper that makes each call of the library's one loop a task.
 
-Each task wraps one library call and adds what Prefect is for: retries (only for retryable errors),
-cache keys, progress and artifacts.
+:func:`eaglenest.extraction.run.run_extraction` owns the loop; the flow passes :func:`step`, which runs
+each of its calls as a Prefect task (named after the step, with the retries Prefect is for), plus the
+progress artifact and the report's tables.
 
-- ``prepare`` is cached on CONTENT: the source's content fingerprint, the tokenizer and chat-template
-  hashes and the token limits (:func:`eaglenest.extract.prepare_key`), with results stored inside the
-  extraction folder (so a cache entry never outlives the files it describes).
-- ``prefill`` / ``validate`` are deliberately not cached: the ledger (content-verified shards) is
-  their idempotency record. A sample in the ledger is never planned again, a present shard is
-  validated instead of re-requested, and a quarantined one is requested again; a Prefect cache
-  keyed on the batch would skip that last case.
-- ``serving`` launches the servers as a task and stops their process groups on every exit path;
-  the flow's on_failure/on_crashed hooks call :func:`teardown_servers` as a second line.
+- Nothing is cached by Prefect: ``prepare`` reuses ``samples.parquet`` by its content key (it is its own
+  cache), and the ledger (content-verified shards) plus the persisted answers are the idempotency record
+  of the engine work. A sample in the ledger is never planned again, a present shard is validated
+  instead of re-requested, a persisted answer is never asked for again, and a quarantined shard is
+  requested again; a Prefect cache keyed on the inputs would skip that last case.
+- Launching servers is retried once when the server was merely slow to start; the servers' process
+  groups are stopped on every exit path by the loop, and the flow's on_failure/on_crashed hooks call
+  :func:`teardown_servers` as a second line.
 """
 
 from __future__ import annotations
@@ -20,84 +20,30 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
-import httpx
 from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 
-from eaglenest import extract as lib
-from eaglenest import extract_run as run
-from eaglenest.data.samples import Sample
 from eaglenest.engines.launcher import LaunchError
-from eaglenest.extract_config import ExtractParams
-from eaglenest.prefill import PrefillProgress
-from eaglenest.servers import ServerPool, end_recorded_servers
-
-RESULTS_DIR = "prefect-results"
+from eaglenest.extraction.run import Progress
+from eaglenest.servers import end_recorded_servers
 
 
-def _retryable(exc: BaseException | None) -> bool:
-    return isinstance(exc, httpx.TransportError | TimeoutError | ConnectionError | BlockingIOError)
+def artifact_key(extraction_id: str, what: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"extract-{what}-{extraction_id}".lower()).strip("-")[:100]
 
 
-def _retry_if_retryable(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except Exception as e:
-        return _retryable(e)
-    return False
-
-
-def artifact_key(ext: lib.Extraction, what: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", f"extract-{what}-{ext.id}".lower()).strip("-")[:100]
-
-
-# ------------------------------------------------------------------------------ setup
-@task(name="open-extraction", cache_policy=NO_CACHE, persist_result=False)
-def open_extraction(params: ExtractParams) -> lib.Extraction:
-    return lib.open_extraction(params)
-
-
-@dataclass(frozen=True)
-class PreparedSummary:
-    key: str
-    samples: int
-    skipped: int
-    bad_records: int
-
-
-@task(name="prepare-samples", persist_result=True,
-      cache_key_fn=lambda _ctx, args: "extract-prepare-" + lib.prepare_key(args["ext"]))
-def prepare(ext: lib.Extraction) -> PreparedSummary:
-    p = lib.prepare(ext)
-    return PreparedSummary(p.key, len(p.samples), len(p.skipped), len(p.bad))
-
-
-def results_storage(ext: lib.Extraction) -> Path:
-    return ext.dir / RESULTS_DIR
-
-
-@task(name="plan-batches", cache_policy=NO_CACHE, persist_result=False)
-def plan(ext: lib.Extraction) -> tuple[lib.Prepared, list[list[Sample]]]:
-    prepared = lib.prepare(ext)  # reuses samples.parquet (content key) instead of tokenizing again
-    return prepared, lib.plan(ext, prepared)
-
-
-# ------------------------------------------------------------------------------ servers
-@task(name="launch-servers", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
-      retry_condition_fn=lambda t, r, s: _launch_retryable(s))
-def launch_servers(ext: lib.Extraction) -> ServerPool:
-    pool = run.make_pool(ext)
-    pool.start()
-    return pool
-
-
-def _launch_retryable(state) -> bool:
+def _launch_retryable(task, task_run, state) -> bool:
     try:
         state.result()
     except LaunchError as e:  # a port race or a slow first start; a bad command fails again fast
@@ -107,32 +53,29 @@ def _launch_retryable(state) -> bool:
     return False
 
 
-@task(name="stop-servers", cache_policy=NO_CACHE, persist_result=False)
-def stop_servers(pool: ServerPool) -> None:
-    pool.stop()
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "start_servers": {"name": "launch-servers", "retries": 1, "retry_delay_seconds": 5,
+                      "retry_condition_fn": _launch_retryable},
+    "open_extraction": {"name": "open-extraction"},
+    "prepare": {"name": "prepare-samples"},
+    "plan": {"name": "plan-samples"},
+    "connect": {"name": "connect-servers"},
+    "stream": {"name": "regenerate-capture-validate"},
+    "stop_servers": {"name": "stop-servers"},
+    "write_report": {"name": "extraction-report"},
+}
+_tasks: dict[Callable[..., Any], Any] = {}
+_tasks_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def serving(ext: lib.Extraction) -> Iterator[ServerPool]:
-    """Servers for the duration of the block; their process groups end on every exit path.
-
-    On an error, a cancellation or a termination signal the groups are ended WITHOUT Prefect calls (the run
-    may be going down with its API connection) and nothing raised by that cleanup replaces the original
-    exception: a SIGTERMed run must end Crashed, not Failed by a cleanup error (RELIABILITY row 26)."""
-    pool: ServerPool | None = None
-    try:
-        pool = launch_servers(ext)
-        yield pool
-    except BaseException:
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                pool.stop()
-        with contextlib.suppress(Exception):
-            teardown_servers(ext.dir)
-        raise
-    else:
-        stop_servers(pool)
-        teardown_servers(ext.dir)
+def step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one step of the extraction loop as a Prefect task (the loop's ``step`` wrapper)."""
+    with _tasks_lock:
+        tk = _tasks.get(fn)
+        if tk is None:
+            options = {"name": fn.__name__.replace("_", "-"), **_OPTIONS.get(fn.__name__, {})}
+            tk = _tasks[fn] = task(fn, cache_policy=NO_CACHE, persist_result=False, **options)
+    return tk(*args, **kwargs)
 
 
 def teardown_servers(extraction_dir: str | Path) -> int:
@@ -140,81 +83,64 @@ def teardown_servers(extraction_dir: str | Path) -> int:
     return end_recorded_servers(Path(extraction_dir) / "servers.json")
 
 
-@task(name="connect-servers", cache_policy=NO_CACHE, persist_result=False)
-def connect(ext: lib.Extraction, pool: ServerPool) -> run.RunContext:
-    return run.connect(ext, pool)
-
-
 # ------------------------------------------------------------------------------ progress
+def _rates_text(p: Progress) -> str:
+    r = p.rates
+    return (f"validated {p.validated} of {p.total} (done before this run: {p.done_before}); "
+            f"regenerated {p.regenerated} ({p.generated_tokens:,} tokens, {r.get('generated_tok_per_s', 0):,.0f} "
+            f"tok/s); captured {p.answered} ({p.tokens:,} tokens, {r.get('prefill_tok_per_s', 0):,.0f} tok/s); "
+            f"validating {r.get('validated_per_s', 0):,.1f}/s; skipped {p.skipped}; failed {p.failed}; "
+            f"{p.elapsed_s:,.0f} s")
+
+
 class ProgressReporter:
-    """A Prefect progress artifact for the whole run, updated from prefill callbacks (throttled)."""
+    """A Prefect progress artifact for the run (validated share of the extraction) and a markdown artifact
+    with each phase's count and rate, both updated from the loop's progress (throttled)."""
 
-    def __init__(self, ext: lib.Extraction, total: int, *, every_s: float = 1.0) -> None:
-        self.total, self.every_s, self.base, self._last = max(1, total), every_s, 0, 0.0
+    def __init__(self, extraction_id: str, *, every_s: float = 2.0) -> None:
+        self.extraction_id, self.every_s, self._last = extraction_id, every_s, 0.0
         self._lock = threading.Lock()
-        self.id: UUID = create_progress_artifact(0.0, key=artifact_key(ext, "progress"),
-                                                 description=f"samples answered of {total} (extraction {ext.id})")
+        self.id: UUID | None = None
 
-    def __call__(self, p: PrefillProgress) -> None:
+    def __call__(self, p: Progress) -> None:
         now = time.monotonic()
-        final = p.done + p.failed == p.total
+        settled = p.validated + p.failed + p.skipped
+        final = settled >= p.total
         with self._lock:
             if now - self._last < self.every_s and not final:
                 return
             self._last = now
-        self._update(self.base + p.done + p.failed)
-
-    def advance(self, n: int) -> None:
-        self.base += n
-        self._update(self.base)
-
-    def _update(self, n: int) -> None:
         with contextlib.suppress(Exception):  # progress must never fail the extraction
-            update_progress_artifact(self.id, min(100.0, 100.0 * n / self.total))
-
-
-# ------------------------------------------------------------------------------ batch steps
-@task(name="regenerate-batch", cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=10,
-      retry_condition_fn=_retry_if_retryable)
-def regenerate_batch(ext: lib.Extraction, ctx: run.RunContext, batch: Sequence[Sample]
-                     ) -> tuple[list[Sample], lib.Counts]:
-    return run.regenerate_batch(ext, ctx, batch)
-
-
-@task(name="prefill-batch", cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=10,
-      retry_condition_fn=_retry_if_retryable)
-def prefill_batch(ext: lib.Extraction, ctx: run.RunContext, batch: Sequence[Sample],
-                  progress: ProgressReporter | None = None) -> run.PrefillStep:
-    return run.prefill_batch(ext, ctx, batch, on_progress=progress)
-
-
-@task(name="validate-batch", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=2,
-      retry_condition_fn=_retry_if_retryable)
-def validate_batch(ext: lib.Extraction, ctx: run.RunContext, samples: Sequence[Sample],
-                   allow_requeue: bool = True) -> run.ValidateStep:
-    return run.validate_step(ext, ctx, samples, allow_requeue=allow_requeue)
+            share = min(100.0, 100.0 * settled / max(1, p.total))
+            if self.id is None:
+                self.id = create_progress_artifact(share, key=artifact_key(self.extraction_id, "progress"),
+                                                   description=f"samples validated, skipped or failed "
+                                                               f"(extraction {self.extraction_id})")
+            else:
+                update_progress_artifact(self.id, share)
+            create_markdown_artifact(_rates_text(p), key=artifact_key(self.extraction_id, "rates"),
+                                     description="extraction phases: counts and rates so far")
 
 
 # ------------------------------------------------------------------------------ report
-@task(name="extraction-report", cache_policy=NO_CACHE, persist_result=False)
-def report(ext: lib.Extraction, prepared: lib.Prepared, counts: lib.Counts, wall_s: float,
-           relaunches: int = 0, servers_launched: int = 0) -> dict:
-    rep = lib.write_report(ext, prepared, counts, wall_s=wall_s, relaunches=relaunches,
-                           servers_launched=servers_launched)
-    r = rep["run"]
+def publish_report(rep: dict) -> None:
+    """The report's summary, phase times and rates, and the per-sample problems as table artifacts."""
+    r, ext_id = rep["run"], rep["extraction_id"]
     rows = [
         ("done (total)", rep["done"]), ("pending", rep["pending"]), ("validated this run", r["validated"]),
         ("skipped", rep["skipped_total"]), ("bad records", rep["bad_records"]), ("invalid", r["invalid"]),
         ("failed", r["failed"]), ("retried requests", r["retries"]), ("re-queued", r["requeued"]),
         ("requests", r["requests"]), ("tokens this run", r["tokens"]), ("tok/s", r["tok_per_s"]),
+        ("regenerated", r["regenerated"]), ("generated tokens", r["generated_tokens"]),
         ("outliers flagged", r["outliers"]), ("server relaunches", r["relaunches"]),
     ]
+    rows += [(f"phase seconds: {k}", v) for k, v in r["phases_s"].items()]
+    rows += [(f"rate: {k}", v) for k, v in r["rates"].items()]
     rows += [(f"skipped: {k}", v) for k, v in sorted(rep["skipped"].items())]
-    create_table_artifact([{"metric": k, "value": v} for k, v in rows], key=artifact_key(ext, "summary"),
-                          description=f"Extraction {ext.id} ({rep['dir']})")
-    if rep["problems"]:  # what failed validation or prefill this run, per sample (first 200), with the reason
+    create_table_artifact([{"metric": k, "value": v} for k, v in rows], key=artifact_key(ext_id, "summary"),
+                          description=f"Extraction {ext_id} ({rep['dir']})")
+    if rep["problems"]:  # what was skipped or failed this run, per sample (first 200), with the reason
         create_table_artifact([{k: p.get(k) for k in ("sample_id", "stage", "kind", "message")}
-                               for p in rep["problems"][:200]], key=artifact_key(ext, "problems"),
-                              description=f"Extraction {ext.id}: samples that failed validation or prefill "
+                               for p in rep["problems"][:200]], key=artifact_key(ext_id, "problems"),
+                              description=f"Extraction {ext_id}: samples skipped or failed this run "
                                           f"({len(rep['problems'])}; quarantined shards keep their reason)")
-    return rep

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 
-from eaglenest.ledger import content_key
+from eaglenest.extraction.ledger import content_key
 from eaglenest.store import StoreError, convert, list_versions
 
 _TRANSIENT = (ConnectionError, TimeoutError)

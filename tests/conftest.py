@@ -74,9 +74,9 @@ def capture_servers(tiny_runner):
 def tiny_extract_params(tiny_model_dir, tmp_path):
     """ExtractParams for ~20 real ShareGPT samples (first turns of the first 100 conversations that fit
     384 tokens) on the tiny model, with fast timeouts. limit=200, max_tokens=512 gives ~50 samples."""
-    from eaglenest.extract_config import ExtractParams
+    from eaglenest.extraction.config import ExtractParams
 
-    return ExtractParams(model=str(tiny_model_dir), limit=100, max_turns=1, max_tokens=384,
+    return ExtractParams(recipe="capture", model=str(tiny_model_dir), limit=100, max_turns=1, max_tokens=384,
                          output_dir=str(tmp_path / "out"), extraction_id="t", batch_size=8, concurrency=4,
                          request_timeout_s=20, backoff_s=0.01, shard_wait_s=0.5, launch_timeout_s=60)
 @pytest.fixture(scope="session")

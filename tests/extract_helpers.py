@@ -3,7 +3,7 @@
 import json
 
 from eaglenest import contract
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
 
 
 def with_(params, **kw):
@@ -35,3 +35,35 @@ def assert_complete_and_exact(report, ext_dir):
         assert contract.sha256_bytes(data) == e["sha256"]
         assert contract.decode_shard(data).num_tokens == e["num_tokens"]
     assert not list((ext_dir / "capture").glob("*.tmp"))
+
+
+class StopAfter:
+    """Test fake for the embedded engine's ``greedy_decoder``: the target's own greedy tokens, then its
+    end-of-turn after ``k`` of them (a tiny random model never ends an answer by itself)."""
+
+    def __init__(self, runner, k: int = 6, delay_s: float = 0.0) -> None:
+        self.runner, self.k, self.delay_s = runner, k, delay_s
+
+    def generate_greedy(self, input_ids, *, max_new_tokens, ignore_eos):
+        import time
+
+        from eaglenest.engines.runtime import Generation
+
+        time.sleep(self.delay_s)
+        g = self.runner.generate(input_ids, max_new_tokens=min(max_new_tokens, self.k), ignore_eos=True)
+        if max_new_tokens <= self.k:
+            return g
+        return Generation([*g.output_ids, self.runner.tokenizer.eos_token_id], "stop", None, g.prefill_s, g.decode_s)
+
+
+def record_rids(engine) -> list[str]:
+    """Every rid the engine is asked for, in order (wraps its submit)."""
+    rids: list[str] = []
+    submit = engine.submit
+
+    def recording(work):
+        rids.append(work.rid)
+        return submit(work)
+
+    engine.submit = recording
+    return rids

@@ -10,7 +10,8 @@ from eaglenest.cli import app
 def test_cli_extracts_and_resumes(tiny_model_dir, tmp_path, capture_servers):
     out = tmp_path / "out"
     ((url, engine),) = capture_servers(out / "cli" / "capture")
-    args = ["extract", "--model", str(tiny_model_dir), "--server-url", url, "--limit", "40", "--max-turns", "1",
+    args = ["extract", "--recipe", "capture", "--model", str(tiny_model_dir), "--server-url", url, "--limit", "40",
+            "--max-turns", "1",
             "--max-tokens", "384", "--output-dir", str(out), "--extraction-id", "cli", "--batch-size", "8", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

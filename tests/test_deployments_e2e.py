@@ -208,7 +208,8 @@ def _flow_name(dep: dict) -> str:
 
 
 def _extract_params(model_dir, out: Path, extraction_id: str, **kw) -> dict:
-    return {"source": "sharegpt", "limit": 16, "max_turns": 1, "max_tokens": 384, "model": str(model_dir),
+    return {"recipe": "capture",
+            "source": "sharegpt", "limit": 16, "max_turns": 1, "max_tokens": 384, "model": str(model_dir),
             "dtype": "float32", "batch_size": 4, "concurrency": 2, "output_dir": str(out),
             "extraction_id": extraction_id, "request_timeout_s": 30, "backoff_s": 0.01, "shard_wait_s": 1,
             "launch_timeout_s": 120, **kw}
@@ -247,7 +248,8 @@ def _pipeline_params(model_dir, run_dir: Path) -> dict:
     """The whole pipeline on the embedded default at tiny size (tiny random Llama, ~12 real ShareGPT prompts)."""
     return {"params": {
         "run_dir": str(run_dir),
-        "extract": {"model": str(model_dir), "limit": 60, "max_turns": 1, "max_tokens": 384, "batch_size": 4,
+        "extract": {"recipe": "capture",
+                    "model": str(model_dir), "limit": 60, "max_turns": 1, "max_tokens": 384, "batch_size": 4,
                     "concurrency": 2, "dtype": "float32", "request_timeout_s": 30, "launch_timeout_s": 120,
                     "shard_wait_s": 1, "extraction_id": "e2e-pipe"},
         "train": {"max_steps": 4, "max_tokens": 1024, "max_seq_len": 384, "draft_vocab_size": 128, "ttt_steps": 2,

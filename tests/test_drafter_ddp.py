@@ -15,7 +15,7 @@ from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.fallback_store import open_store
 from eaglenest.drafter.train import train
 from eaglenest.engines.serving import free_port
-from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans
+from eaglenest.extraction.ledger import Ledger, LedgerEntry, mask_to_spans
 
 
 def write_extraction(store, root) -> None:

@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
-from eaglenest.extract import ConfigChanged, open_extraction
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import ConfigChanged, open_extraction
 from eaglenest.servers import PreflightError
-from tests.extract_helpers import assert_complete_and_exact, ledger_ids, ledger_lines, with_
+from tests.extract_helpers import StopAfter, assert_complete_and_exact, ledger_ids, ledger_lines, record_rids, with_
 
 
 def test_two_servers_split_one_run_then_rerun_sends_nothing(tiny_extract_params, capture_servers):
@@ -115,21 +115,31 @@ def test_server_with_other_aux_layers_is_refused_before_any_request(tiny_extract
     engine.close()
 
 
-def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path):
-    import httpx
-
-    rows = [{"id": f"p{i}", "prompt": f"Write a poem about the number {i}."} for i in range(2)]
+def regen_source(tmp_path, n_prompts=2):
+    rows = [{"id": f"p{i}", "prompt": f"Write a poem about the number {i}."} for i in range(n_prompts)]
     rows.append({"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
                                               {"from": "human", "value": "more"}]})
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    params = with_(tiny_extract_params, source=str(tmp_path / "p.jsonl"), max_turns=None,
+    return str(tmp_path / "p.jsonl")
+
+
+def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path):
+    import httpx
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
                    regeneration={"enabled": True, "max_new_tokens": 8})
     ext = open_extraction(params)
     ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)
     report = run_extraction(with_(params, server_urls=[url]))
     assert report["complete"] and report["done"] == 3 and report["run"]["regenerated"] == 3
     # greedy answers were spliced as generated: the target's own LM head predicts them from the capture
     assert report["run"]["argmax_agreement"] >= 0.75
+    r = report["run"]
+    assert r["generated_tokens"] == 4 * 7  # 4 answers of 6 tokens + their end-of-turn
+    assert set(r["phases_s"]) >= {"prepare", "launch", "connect", "regenerate", "prefill", "validate"}
+    assert r["phases_s"]["regenerate"] > 0 and r["rates"]["generated_tok_per_s"] > 0
+    assert r["rates"]["prefill_tok_per_s"] > 0 and r["rates"]["validated_per_s"] > 0
     lines = (ext.dir / "regenerated.jsonl").read_text().splitlines()
     regen = {json.loads(x)["sample_id"]: json.loads(x) for x in lines}
     two_turns = json.loads(regen["c"]["messages"])
@@ -143,7 +153,7 @@ def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_par
         "max_new_tokens": 8, "temperature": 0}}).json()
     a, _ = regen["p0"]["loss_spans"][0]
     assert regen["p0"]["input_ids"][:a] == prompt
-    assert regen["p0"]["input_ids"][a : a + len(direct["output_ids"])] == direct["output_ids"]
+    assert regen["p0"]["input_ids"][a : a + 6] == direct["output_ids"][:-1]
     assert json.loads(regen["p0"]["messages"])[-1][1] == direct["text"]
     entries = ledger_lines(ext.dir)
     assert all(e["regenerated"] and "argmax_agreement" in e["stats"] for e in entries)
@@ -153,12 +163,53 @@ def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_par
     assert Counter(e["sample_id"] for e in entries).most_common(1)[0][1] == 1
 
 
+def test_answers_cut_by_max_new_tokens_are_skipped_with_their_reason(tiny_extract_params, capture_servers, tmp_path):
+    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
+                   regeneration={"enabled": True, "max_new_tokens": 4})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)  # never ends within 4 tokens
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert report["complete"] and report["done"] == 0 and report["skipped"] == {"truncated": 3}
+    assert {(p["stage"], p["kind"]) for p in report["problems"]} == {("regenerate", "truncated")}
+    again = run_extraction(with_(params, server_urls=[url]))  # the skip decisions are persisted too
+    assert again["run"]["requests"] == 0 and again["skipped"] == {"truncated": 3}
+
+
+def test_interrupted_regeneration_never_asks_for_an_answer_twice(tiny_extract_params, capture_servers, tmp_path):
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 12), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6, delay_s=0.1)  # slow enough to stop midway
+    rids = record_rids(engine)
+    params = with_(params, server_urls=[url])
+
+    class Kill(BaseException):
+        pass
+
+    def kill_midway(p):
+        if p.generated_tokens >= 5 * 7:
+            raise Kill  # the client dies mid-regeneration
+
+    with pytest.raises(Kill):
+        run_extraction(params, on_progress=kill_midway)
+    answers = (ext.dir / "answers.jsonl").read_text().splitlines()
+    assert 5 <= len(answers) < 14
+    report = run_extraction(params)
+    assert_complete_and_exact(report, ext.dir)
+    generated = [r for r in rids if r.startswith("nocapture:regen:")]
+    assert len(generated) == len(set(generated)) == 14  # 12 prompts + a 2-turn conversation, each asked once
+    captured = [r for r in rids if not r.startswith("nocapture:")]
+    assert len(captured) == len(set(captured)) == 13
+
+
 def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, monkeypatch):
     import sys
     import types
 
     import eaglenest.engines
-    from eaglenest.extract_run import launch_specs
+    from eaglenest.extraction.connect import launch_specs
 
     calls = []
     fake = types.ModuleType("eaglenest.engines.sglang_launcher")

@@ -14,8 +14,8 @@ from safetensors.torch import save as st_save
 from eaglenest import contract
 from eaglenest.engines.launcher import LaunchError, ServerProcess, embedded_command
 from eaglenest.engines.runtime import Captured
-from eaglenest.extract import open_extraction
-from eaglenest.extract_run import run_extraction
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction
 from eaglenest.servers import LaunchSpec, PreflightError, ServerPool
 from tests.extract_helpers import assert_complete_and_exact, ledger_ids, with_
 

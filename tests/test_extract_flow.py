@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.extract import open_extraction
-from eaglenest.extract_config import ExtractParams
-from eaglenest.ledger import Ledger
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.ledger import Ledger
+from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import assert_complete_and_exact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,8 @@ def test_flow_extracts_sharegpt_on_two_servers_then_reruns_with_zero_requests(pr
                                                                                 capture_servers):
     from flows.extract import extract
 
-    params = ExtractParams(model=str(tiny_model_dir), limit=200, max_turns=1, max_tokens=512, batch_size=16,
+    params = ExtractParams(recipe="capture",
+                           model=str(tiny_model_dir), limit=200, max_turns=1, max_tokens=512, batch_size=16,
                            concurrency=4, output_dir=str(tmp_path / "out"), extraction_id="flow-x",
                            request_timeout_s=60, shard_wait_s=1, store_url=str(tmp_path / "store"))
     ext_dir = open_extraction(params).dir
@@ -64,7 +65,7 @@ def _sigterm_flow_when(params, ready, extra_env):
     from prefect.settings import PREFECT_API_URL
 
     ext_dir = open_extraction(params).dir
-    code = ("import sys; from flows.extract import extract; from eaglenest.extract_config import ExtractParams; "
+    code = ("import sys; from flows.extract import extract; from eaglenest.extraction.config import ExtractParams; "
             "extract(ExtractParams.model_validate_json(sys.argv[1]))")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT), **extra_env}
     flow_proc = subprocess.Popen([sys.executable, "-c", code, params.model_dump_json()], cwd=ROOT, env=env,
@@ -114,7 +115,8 @@ def _flow_state(extraction_id):
 
 def test_flow_sigterm_while_launching_ends_the_server_group(prefect_api, tiny_model_dir, tmp_path):
     """Row 25: SIGTERM to the flow process while its embedded server subprocess starts."""
-    params = ExtractParams(model=str(tiny_model_dir), limit=20, max_turns=1, max_tokens=384, num_servers=1,
+    params = ExtractParams(recipe="capture",
+                           model=str(tiny_model_dir), limit=20, max_turns=1, max_tokens=384, num_servers=1,
                            dtype="float32", output_dir=str(tmp_path / "out"), extraction_id="sig-launch")
     pid = _sigterm_flow_when(params, _recorded_pid, {})
     _assert_group_ends(pid)
@@ -124,7 +126,8 @@ def test_flow_sigterm_while_launching_ends_the_server_group(prefect_api, tiny_mo
 @pytest.mark.slow
 def test_flow_sigterm_mid_prefill_ends_the_server_group(prefect_api, tiny_model_dir, tmp_path):
     """Row 25 mid-prefill: the server is serving (half of the requests hang) when the flow gets SIGTERM."""
-    params = ExtractParams(model=str(tiny_model_dir), limit=40, max_turns=1, max_tokens=384, num_servers=1,
+    params = ExtractParams(recipe="capture",
+                           model=str(tiny_model_dir), limit=40, max_turns=1, max_tokens=384, num_servers=1,
                            dtype="float32", output_dir=str(tmp_path / "out"), extraction_id="sig-prefill",
                            request_timeout_s=120, launch_timeout_s=120)
     pid = _sigterm_flow_when(params, lambda d: _recorded_pid(d, after_shards=True),
@@ -139,7 +142,8 @@ def test_failed_samples_are_listed_in_a_problems_table_and_the_run_fails(prefect
     table artifact; a re-run without the fault resumes only those samples."""
     from flows.extract import ExtractionIncomplete, extract
 
-    params = ExtractParams(model=str(tiny_model_dir), limit=60, max_turns=1, max_tokens=384, batch_size=8,
+    params = ExtractParams(recipe="capture",
+                           model=str(tiny_model_dir), limit=60, max_turns=1, max_tokens=384, batch_size=8,
                            concurrency=2, output_dir=str(tmp_path / "out"), extraction_id="flow-problems",
                            request_timeout_s=30, shard_wait_s=0.5, max_attempts=1, max_relaunch_rounds=0)
     ext_dir = open_extraction(params).dir

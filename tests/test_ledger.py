@@ -1,4 +1,4 @@
-from eaglenest.ledger import Ledger, LedgerEntry, mask_to_spans, spans_to_mask
+from eaglenest.extraction.ledger import Ledger, LedgerEntry, mask_to_spans, spans_to_mask
 
 
 def entry(i: int, **over) -> LedgerEntry:

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from eaglenest.extract import open_extraction, prepare
-from eaglenest.extract_config import ExtractParams
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.state import open_extraction, prepare
 from eaglenest.pipeline import PipelineParams, StageBook
 
 
@@ -56,7 +56,8 @@ def test_partitions_are_disjoint_and_cover_the_source(tiny_model_dir, tmp_path):
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question number {i}?"},
                                          {"role": "assistant", "content": f"answer {i}."}]} for i in range(30)]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = dict(model=str(tiny_model_dir), source=str(src), limit=None, output_dir=str(tmp_path / "out"))
+    base = dict(recipe="capture",
+                model=str(tiny_model_dir), source=str(src), limit=None, output_dir=str(tmp_path / "out"))
     whole = {s.sample_id for s in prepare(open_extraction(ExtractParams(**base))).samples}
     parts = [{s.sample_id for s in prepare(open_extraction(
         ExtractParams(**base, partition_index=i, partition_count=3))).samples} for i in range(3)]
@@ -83,7 +84,8 @@ def test_stage_book_skips_only_valid_output_for_the_same_key(tmp_path):
 def _tiny_pipeline(tiny_model_dir, tmp_path, **over) -> PipelineParams:
     return PipelineParams.model_validate({
         "run_dir": str(tmp_path / "run"),
-        "extract": {"model": str(tiny_model_dir), "limit": 100, "max_turns": 1, "max_tokens": 384, "batch_size": 8,
+        "extract": {"recipe": "capture",
+                    "model": str(tiny_model_dir), "limit": 100, "max_turns": 1, "max_tokens": 384, "batch_size": 8,
                     "concurrency": 4, "dtype": "float32", "request_timeout_s": 30, "launch_timeout_s": 90,
                     "extraction_id": "tiny"},
         "train": {"max_steps": 6, "max_tokens": 1024, "max_seq_len": 384, "draft_vocab_size": 128, "ttt_steps": 2,

@@ -8,7 +8,7 @@ import pytest
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.prefill import ClientConfig, prefill, prefill_async
+from eaglenest.extraction.prefill import ClientConfig, prefill, prefill_async
 
 A, B = "http://a", "http://b"
 
@@ -188,3 +188,21 @@ def test_progress_callback_and_sync_wrapper():
                   on_progress=seen.append)
     assert len(res.answers) == 6
     assert [p.done for p in seen] == list(range(1, 7)) and seen[-1].total == 6 and seen[-1].requests == 6
+
+
+def test_follow_up_jobs_go_ahead_of_queued_new_work():
+    """A conversation's next turn (priority 0) is sent before conversations still waiting (priority 1), so
+    finished samples flow on to capture while the queue of new ones keeps the engine busy."""
+    from eaglenest.extraction.prefill import EngineClient, Job
+
+    rec = Recorder(lambda req, n, tries: httpx.Response(200, json={"text": "x", "meta_info": {}}))
+    client = EngineClient([A], config=ClientConfig(concurrency=1), transport=rec.transport())
+
+    def follow(o):
+        if "-" in o.key:
+            return []
+        return [Job(f"{o.key}-next", {"rid": f"{o.key}-next", "input_ids": [1]}, priority=0)]
+
+    jobs = [Job(f"n{i}", {"rid": f"n{i}", "input_ids": [1]}) for i in range(3)]
+    asyncio.run(client.run(jobs, on_outcome=follow))
+    assert [rid for _, rid in rec.calls] == ["n0", "n0-next", "n1", "n1-next", "n2", "n2-next"]

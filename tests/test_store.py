@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eaglenest.contract import read_shard
-from eaglenest.ledger import Ledger, spans_to_mask
+from eaglenest.extraction.ledger import Ledger, spans_to_mask
 from eaglenest.store import StoreNotFound, convert, list_versions, open_store
 from eaglenest.store import layout as L
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import save_file
 
 from eaglenest.contract import ContractError, UnknownSchemaVersion
-from eaglenest.ledger import Ledger, LedgerEntry
+from eaglenest.extraction.ledger import Ledger, LedgerEntry
 from eaglenest.store import StoreCorrupt, StoreDiskFull, StoreNotFound, convert, list_versions, open_store
 from eaglenest.store import layout as L
 from eaglenest.store.testing import add_samples, fake_provenance, fake_shard, make_extraction

@@ -8,7 +8,7 @@ from safetensors.torch import save as st_save
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.validate import Expectation, ValidateConfig, argmax_agreement, validate_batch
+from eaglenest.extraction.validate import Expectation, ValidateConfig, argmax_agreement, validate_batch
 
 H, AUX = 16, (1, 3, 4)
 

@@ -47,7 +47,7 @@ class ExtractionStore:
     """Read-only store view of ``<extraction>/capture`` + ``<extraction>/ledger.jsonl``."""
 
     def __init__(self, extraction_dir: str | Path) -> None:
-        from eaglenest.ledger import Ledger, spans_to_mask
+        from eaglenest.extraction.ledger import Ledger, spans_to_mask
 
         ledger = Ledger(extraction_dir)
         self._entries = sorted(ledger.entries().values(), key=lambda e: e.sample_id)

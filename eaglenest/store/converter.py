@@ -33,7 +33,7 @@ import pyarrow as pa
 import torch
 
 from eaglenest.contract import Provenance, Shard
-from eaglenest.ledger import Ledger, LedgerEntry, spans_to_mask
+from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
 from eaglenest.store.reader import open_store
 from eaglenest.store.shards import check_inputs, prefetch_shards

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from eaglenest.contract import SCHEMA_VERSION, ContractError, Provenance, Shard, UnknownSchemaVersion
-from eaglenest.ledger import LedgerEntry
+from eaglenest.extraction.ledger import LedgerEntry
 from eaglenest.store.layout import ConvertInputError
 
 PREFETCH_BYTES = 256 << 20

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.contract import Provenance, Shard, write_shard
-from eaglenest.ledger import Ledger, LedgerEntry
+from eaglenest.extraction.ledger import Ledger, LedgerEntry
 
 
 def fake_provenance(*, hidden_size: int = 16, aux_layer_ids: Sequence[int] = (1, 3, 4), num_layers: int = 8,

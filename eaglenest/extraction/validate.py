@@ -33,7 +33,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest.data.samples import Sample
-from eaglenest.ledger import LedgerEntry
+from eaglenest.extraction.ledger import LedgerEntry
 
 QUARANTINE = "quarantine"
 
@@ -127,8 +127,8 @@ def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans:
     matches = 0
     for i in range(0, pos.numel(), chunk):
         p = pos[i : i + chunk]
-        logits = final_hidden[p].float() @ lm_head.T  # [P, V]
-        matches += int((logits.argmax(-1) == input_ids[p + 1].long()).sum())
+        logits = final_hidden[p].to(lm_head.device).float() @ lm_head.T  # [P, V]
+        matches += int((logits.argmax(-1).cpu() == input_ids[p + 1].long()).sum())
     return matches, int(pos.numel())
 
 

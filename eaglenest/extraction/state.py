@@ -6,29 +6,38 @@ Owns the extraction folder (layout shared with the store and training stages)::
       extraction.json   identity of the request (a resume with other content-defining params is refused)
       prepare.json      written after samples.parquet: the samples' content key, skipped and bad records
       samples.parquet   tokenized samples (eaglenest.data.samples)
-      regenerated.jsonl samples rebuilt from the target's own answers (append-only, torn tail ignored)
+      answers.jsonl     every answer the target generated, as it arrived (append-only, torn tail ignored)
+      regenerated.jsonl samples rebuilt from the target's own answers, and regeneration's skips (same)
+      lock              held (flock) by the one process running this extraction: its pid and command line
       provenance.json   the run's pinned provenance (every later shard and resume must match it)
       capture/          shards, one per sample id (written by the servers)
-      ledger.jsonl      one entry per VALIDATED sample (eaglenest.ledger)
+      ledger.jsonl      one entry per VALIDATED sample (eaglenest.extraction.ledger)
       quarantine/       invalid shards + <name>.reason.json
       logs/, servers.json, report.json
 
 The steps (:func:`open_extraction`, :func:`prepare`, :func:`plan`, :func:`connect`,
 :func:`regenerate_batch`, :func:`prefill_batch`, :func:`validate_step`, :func:`write_report`) are
-what the Prefect tasks wrap; :func:`run_extraction` (in :mod:`eaglenest.extract_run`) composes them.
+what the Prefect tasks wrap; :func:`run_extraction` (in :mod:`eaglenest.extraction.run`) composes them.
 
 Invariants: a sample is done only when its ledger entry exists (appended after validation); a re-run
 plans only samples without one (zero requests when complete); a shard already present for a pending
 sample is validated instead of re-requested (so nothing answered before a kill is asked for twice);
-skipped and bad records are counted, never sent.
+skipped and bad records are counted, never sent; a persisted answer is never asked for again; one
+process at a time runs an extraction (a second one is refused, naming the holder); a bad source or
+model is refused before any folder is created.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,9 +45,9 @@ from eaglenest import contract
 from eaglenest import models as model_lib
 from eaglenest.data.chat import ChatEncoder, Skipped, build_samples
 from eaglenest.data.samples import Sample, read_samples, write_samples
-from eaglenest.data.sources import BadRecord, read_records, source_fingerprint
-from eaglenest.extract_config import ExtractParams
-from eaglenest.ledger import Ledger
+from eaglenest.data.sources import BadRecord, SourceError, detect_format, read_records, source_fingerprint
+from eaglenest.extraction.config import ExtractParams
+from eaglenest.extraction.ledger import Ledger
 
 PREPARE_VERSION = 1
 
@@ -49,6 +58,10 @@ class ExtractionError(RuntimeError):
 
 class ConfigChanged(ExtractionError):
     """A resume asked for different content than the extraction folder holds."""
+
+
+class ExtractionBusy(ExtractionError):
+    """Another process is running this extraction."""
 
 
 @dataclass
@@ -64,6 +77,8 @@ class Extraction:
     context_length: int
     aux_layer_ids: tuple[int, ...]
     fingerprint: dict[str, str]
+    source_key: str
+    """The source's content fingerprint (read once: hashing a large local file is not free)."""
     ledger: Ledger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,13 +97,46 @@ class Extraction:
         limit = self.context_length - self.params.context_headroom
         return min(limit, self.params.max_tokens) if self.params.max_tokens else limit
 
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the extraction for this process: a second run of it at once would send every request and
+        write every ledger entry twice. Refused naming the holder; the lock dies with its process."""
+        path = self.path("lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+                raise ExtractionBusy(f"extraction {self.id} in {self.dir} is being run by {holder}; wait for it "
+                                     "to end (or stop it), then run the same command again to resume") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:300]})\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
 
 def _write_json(path: Path, data: dict) -> None:
     contract.atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
 
 
+def check_source(params: ExtractParams) -> str:
+    """The source's content fingerprint; a missing source, an unknown protocol or format is refused here,
+    before anything is created."""
+    try:
+        detect_format(params.source, params.source_format)
+        return source_fingerprint(params.source)
+    except SourceError as e:
+        raise ExtractionError(f"source: {e}") from None
+    except (ValueError, ImportError, OSError) as e:  # fsspec: unknown protocol, missing backend, bad URL
+        raise ExtractionError(f"source {params.source!r} cannot be read: {e}") from None
+
+
 def open_extraction(params: ExtractParams) -> Extraction:
-    """Resolve the model, create or reopen the folder, refuse a changed request, clean temporaries."""
+    """Check the source and the model, create or reopen the folder, refuse a changed request, clean
+    temporaries."""
+    source_key = check_source(params)
     model_dir = model_lib.resolve_model(params.model)
     cfg = model_lib.load_config(model_dir)
     layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
@@ -98,7 +146,7 @@ def open_extraction(params: ExtractParams) -> Extraction:
     ext = Extraction(params=params, id=params.resolved_extraction_id(),
                      dir=Path(params.output_path).expanduser().resolve() / params.resolved_extraction_id(),
                      model_dir=model_dir, num_layers=layers, hidden_size=hidden, context_length=ctx,
-                     aux_layer_ids=aux, fingerprint=model_lib.model_fingerprint(model_dir))
+                     aux_layer_ids=aux, fingerprint=model_lib.model_fingerprint(model_dir), source_key=source_key)
     ext.capture_dir.mkdir(parents=True, exist_ok=True)
     contract.clean_temporaries(ext.capture_dir)
     contract.clean_temporaries(ext.dir)
@@ -135,7 +183,7 @@ def partition_of(record_id: str, count: int) -> int:
 
 def prepare_key(ext: Extraction) -> str:
     p = ext.params
-    key = {"v": PREPARE_VERSION, "source": source_fingerprint(p.source), "format": p.source_format,
+    key = {"v": PREPARE_VERSION, "source": ext.source_key, "format": p.source_format,
            "limit": p.limit, "max_turns": p.max_turns, "tokenizer": ext.fingerprint["tokenizer_hash"],
            "template": ext.fingerprint["chat_template_hash"], "token_limit": ext.token_limit,
            "regenerate": p.regeneration.enabled,
@@ -160,79 +208,134 @@ def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
     encoder = encoder or ChatEncoder(ext.model_dir)
     samples, skipped = build_samples(records, encoder, max_tokens=ext.token_limit,
                                      regenerate=p.regeneration.enabled, max_turns=p.max_turns)
+    if not samples:
+        raise ExtractionError(_nothing_usable(p.source, len(records), skipped, source.bad))
     write_samples(samples_path, samples)
     _write_json(manifest, {"key": key, "samples": len(samples), "skipped": [asdict(s) for s in skipped],
                            "bad": [asdict(b) for b in source.bad], "source_exhausted": source.exhausted})
     return Prepared(samples, skipped, source.bad, key)
 
 
-# ------------------------------------------------------------------------------ regenerated samples
+def _nothing_usable(source: str, records: int, skipped: Sequence[Skipped], bad: Sequence[BadRecord]) -> str:
+    if not records and not bad:
+        return f"source {source!r} holds no records: nothing to extract (give a non-empty source)"
+    kinds: dict[str, int] = {}
+    for s in skipped:
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+    why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    example = f"; first bad record: {bad[0].reason}" if bad else ""
+    return (f"source {source!r} gave no usable sample: {records} records ({why or 'none kept'}), "
+            f"{len(bad)} bad{example}")
+
+
+# ------------------------------------------------------------------------------ persisted answers
+class JsonlLog:
+    """An append-only JSON-lines file. Each write reaches the OS at once (a killed process loses nothing it
+    wrote); it is fsynced at most every ``fsync_s`` and on close (a machine crash loses at most that)."""
+
+    def __init__(self, path: Path, *, fsync_s: float = 0.5) -> None:
+        self.path, self.fsync_s = path, fsync_s
+        self._lock = threading.Lock()
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._synced = time.monotonic()
+        if self._f.tell() > 0:
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":  # a torn last line from a crash: start on a fresh one
+                    self._f.write("\n")
+
+    def write(self, rows: Iterable[dict]) -> None:
+        text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
+        if not text:
+            return
+        with self._lock:
+            self._f.write(text)
+            self._f.flush()
+            if time.monotonic() - self._synced >= self.fsync_s:
+                os.fsync(self._f.fileno())
+                self._synced = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+
+    def __enter__(self) -> JsonlLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def read(path: Path) -> Iterator[dict]:
+        """Every complete line (a torn last line is ignored; an unparsable one is skipped)."""
+        if not path.is_file():
+            return
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                with contextlib.suppress(ValueError):
+                    d = json.loads(line)
+                    if isinstance(d, dict):
+                        yield d
+
+
+ANSWERS, REGENERATED = "answers.jsonl", "regenerated.jsonl"
+
+
+def load_answers(ext: Extraction) -> dict[tuple[str, int], dict]:
+    """(sample id, turn) -> the persisted answer (as written by the regeneration's ``on_answer``)."""
+    return {(d["sample_id"], d["turn"]): d for d in JsonlLog.read(ext.path(ANSWERS))
+            if isinstance(d.get("sample_id"), str) and isinstance(d.get("turn"), int)}
+
+
 def load_regenerated(ext: Extraction) -> tuple[dict[str, Sample], dict[str, Skipped]]:
-    """Samples already rebuilt from the target's answers, and those regeneration skipped (a torn last
-    line is ignored)."""
-    path, out, skipped = ext.path("regenerated.jsonl"), {}, {}
-    if not path.is_file():
-        return out, skipped
+    """Samples already rebuilt from the target's answers, and those regeneration skipped."""
     from eaglenest.data.samples import messages_from_json
 
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
-                d = json.loads(line)
-                if "skipped" in d:
-                    skipped[d["sample_id"]] = Skipped(**d["skipped"])
-                    continue
-                out[d["sample_id"]] = Sample(
-                    sample_id=d["sample_id"], input_ids=d["input_ids"], loss_spans=d["loss_spans"],
-                    messages=messages_from_json(d["messages"]), regenerated=True,
-                    source_index=d["source_index"], meta=d["meta"])
-            except (ValueError, KeyError, TypeError):
+    out, skipped = {}, {}
+    for d in JsonlLog.read(ext.path(REGENERATED)):
+        try:
+            if "skipped" in d:
+                skipped[d["sample_id"]] = Skipped(**d["skipped"])
                 continue
+            out[d["sample_id"]] = Sample(
+                sample_id=d["sample_id"], input_ids=d["input_ids"], loss_spans=d["loss_spans"],
+                messages=messages_from_json(d["messages"]), regenerated=True,
+                source_index=d["source_index"], meta=d["meta"])
+        except (ValueError, KeyError, TypeError):
+            continue
     return out, skipped
 
 
-def append_regenerated(ext: Extraction, samples: Sequence[Sample], skipped: Sequence[Skipped] = ()) -> None:
-    """Durably record regenerated samples (and regeneration's skip decisions) so a re-run reuses them."""
-    import os
-
+def regenerated_row(item: Sample | Skipped) -> dict:
+    """The ``regenerated.jsonl`` line of a finished sample or of regeneration's skip decision."""
     from eaglenest.data.samples import messages_to_json
 
-    if not samples and not skipped:
-        return
-    rows = [{"sample_id": s.sample_id, "input_ids": s.input_ids.tolist(), "loss_spans": [list(x) for x in s.loss_spans],
-             "messages": messages_to_json(s.messages), "source_index": s.source_index, "meta": s.meta}
-            for s in samples]
-    rows += [{"sample_id": k.sample_id, "skipped": asdict(k)} for k in skipped]
-    lines = "".join(json.dumps(r) + "\n" for r in rows)
-    path = ext.path("regenerated.jsonl")
-    with open(path, "a", encoding="utf-8") as f:
-        if f.tell() > 0:
-            with open(path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                if r.read(1) != b"\n":
-                    f.write("\n")
-        f.write(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    if isinstance(item, Skipped):
+        return {"sample_id": item.sample_id, "skipped": asdict(item)}
+    s = item
+    return {"sample_id": s.sample_id, "input_ids": s.input_ids.tolist(), "loss_spans": [list(x) for x in s.loss_spans],
+            "messages": messages_to_json(s.messages), "source_index": s.source_index, "meta": s.meta}
 
 
 # ------------------------------------------------------------------------------ plan
-def plan(ext: Extraction, prepared: Prepared) -> list[list[Sample]]:
-    """Batches of the samples the ledger does not hold (regenerated versions where they exist)."""
+def plan(ext: Extraction, prepared: Prepared) -> list[Sample]:
+    """The samples the ledger does not hold (their regenerated versions where those exist), minus those
+    regeneration skipped."""
     done = ext.ledger.done_ids()
     regen, regen_skipped = load_regenerated(ext) if ext.params.regeneration.enabled else ({}, {})
-    pending = [regen.get(s.sample_id, s) for s in prepared.samples
-               if s.sample_id not in done and s.sample_id not in regen_skipped]
-    n = ext.params.batch_size
-    return [pending[i : i + n] for i in range(0, len(pending), n)]
+    return [regen.get(s.sample_id, s) for s in prepared.samples
+            if s.sample_id not in done and s.sample_id not in regen_skipped]
 
 
 # ------------------------------------------------------------------------------ report
 @dataclass
 class Counts:
-    """What one run did (additive over batches)."""
+    """What one run did (additive over the loop's rounds and validation chunks)."""
 
     validated: int = 0
     invalid: int = 0
@@ -246,10 +349,16 @@ class Counts:
     tokens: int = 0
     outliers: int = 0
     regenerated: int = 0
+    generated_tokens: int = 0
+    """Tokens the target generated this run (regeneration)."""
+    replayed_answers: int = 0
+    """Answers persisted by an earlier run and reused without a request."""
+    turns_cut: int = 0
+    """Later turns whose answer was cut or empty (dropped with the rest of their conversation)."""
     prefill_s: float = 0.0
-    """Seconds spent in prefill calls (regeneration included)."""
+    """Seconds from the first capture request to the last capture answer (overlaps regeneration)."""
     validate_s: float = 0.0
-    """Seconds spent validating (overlaps the next batch's prefill in run_extraction)."""
+    """Seconds spent validating (in a thread, overlapping regeneration and prefill)."""
     argmax_hits: float = 0.0
     argmax_positions: int = 0
     problems: list[dict] = field(default_factory=list)
@@ -264,7 +373,8 @@ class Counts:
 
 
 def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s: float, relaunches: int = 0,
-                 servers_launched: int = 0, phases: dict[str, float] | None = None) -> dict:
+                 servers_launched: int = 0, phases: dict[str, float] | None = None,
+                 rates: dict[str, float] | None = None) -> dict:
     """report.json: totals over the extraction plus what this run did. Returns it."""
     entries = ext.ledger.entries()
     ids = {s.sample_id for s in prepared.samples}
@@ -292,6 +402,7 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
         "run": {**run, "wall_s": round(wall_s, 3), "tok_per_s": round(counts.tokens / wall_s, 1) if wall_s else 0.0,
                 "relaunches": relaunches, "servers_launched": servers_launched,
                 "phases_s": {k: round(v, 3) for k, v in (phases or {}).items()},
+                "rates": {k: round(v, 1) for k, v in (rates or {}).items()},
                 "argmax_agreement": round(hits / positions, 4) if positions else None},
         "problems": counts.problems,
         "complete": pending == 0,

@@ -1,0 +1,134 @@
+"""Connecting an extraction to its servers: launch specs, the pool, and the preflight that pins what every
+shard must carry.
+
+Owns :class:`RunContext` (what the run learned from its servers, shared by the loop's steps, never
+serialized), :func:`make_pool` (given URLs or launched servers recorded in ``servers.json``) and
+:func:`connect` (preflight every server against the run and the extraction's pinned provenance).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from eaglenest import contract
+from eaglenest.data.chat import ChatEncoder
+from eaglenest.extraction.prefill import ClientConfig
+from eaglenest.extraction.regenerate import RegenConfig
+from eaglenest.extraction.state import ConfigChanged, Extraction
+from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head
+from eaglenest.servers import LaunchSpec, PreflightError, ServerPool, preflight
+
+
+@dataclass
+class RunContext:
+    """What a run learned from its servers, shared by its steps (in-process, never serialized)."""
+
+    pool: ServerPool
+    expect: Expectation
+    capture_dirs: tuple[str, ...]
+    max_prompt_tokens: int
+    client_config: ClientConfig
+    validate_config: ValidateConfig
+    transport: httpx.AsyncBaseTransport | None = None
+    encoder: ChatEncoder | None = None
+    lm_head: torch.Tensor | None = None
+    regen_config: RegenConfig | None = None
+
+
+# ------------------------------------------------------------------------------ servers
+def _tp_size(args: Sequence[str]) -> int:
+    text = " ".join(args)
+    m = re.search(r"--(?:tp-size|tensor-parallel-size|tp)[ =](\d+)", text)
+    return int(m.group(1)) if m else 1
+
+
+def launch_specs(ext: Extraction) -> list[LaunchSpec]:
+    """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
+    from eaglenest.engines.launcher import ServerProcess, embedded_command
+
+    p = ext.params
+
+    def embedded(i: int) -> LaunchSpec:
+        def make(port: int) -> ServerProcess:
+            cmd = embedded_command(model=str(ext.model_dir), port=port, capture_dir=str(ext.capture_dir),
+                                   aux_layer_ids=ext.aux_layer_ids, dtype=p.dtype,
+                                   extra=["--max-batch-size", str(p.embedded_max_batch_size)])
+            return ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=ext.path(f"logs/server-{i}.log"))
+        return LaunchSpec(f"embedded-{i}", make)
+
+    def sglang(i: int) -> LaunchSpec:
+        def make(port: int) -> ServerProcess:
+            from eaglenest.engines import sglang_launcher
+
+            args = list(p.sglang_args)
+            if p.num_servers > 1 and "--base-gpu-id" not in args:  # data parallel: one GPU set per server
+                args += ["--base-gpu-id", str(i * _tp_size(args))]
+            cmd, env = sglang_launcher.build_command(
+                model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
+                aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
+            return ServerProcess(cmd=list(cmd), url=f"http://127.0.0.1:{port}",
+                                 log_path=ext.path(f"logs/server-{i}.log"), env=dict(env or {}))
+        return LaunchSpec(f"sglang-{i}", make)
+
+    make_spec = embedded if p.engine == "embedded" else sglang
+    return [make_spec(i) for i in range(p.num_servers)]
+
+
+def make_pool(ext: Extraction) -> ServerPool:
+    p = ext.params
+    if p.server_urls:
+        return ServerPool(urls_given=p.server_urls, launch_timeout_s=p.launch_timeout_s)
+    return ServerPool(specs=launch_specs(ext), launch_timeout_s=p.launch_timeout_s,
+                      max_relaunches=max(1, p.max_relaunch_rounds) * 2, record_path=ext.path("servers.json"))
+
+
+def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTransport | None = None) -> RunContext:
+    """Preflight the servers against the run and the extraction's pinned provenance."""
+    p = ext.params
+    pf = preflight(pool.urls, aux_layer_ids=ext.aux_layer_ids, require_capture_block=p.engine == "embedded",
+                   hidden_size=ext.hidden_size)
+    fp = ext.fingerprint
+    expect = Expectation(aux_layer_ids=ext.aux_layer_ids, hidden_size=ext.hidden_size, num_layers=ext.num_layers,
+                         model_hash=fp["model_hash"], tokenizer_hash=fp["tokenizer_hash"],
+                         chat_template_hash=fp["chat_template_hash"])
+    if pf.provenance is not None:
+        diff = expect.mismatches(pf.provenance)
+        if diff:
+            raise PreflightError(f"the servers do not serve the run's model/tokenizer/template as tokenized here: "
+                                 f"{'; '.join(diff)}")
+    pinned_path = ext.path("provenance.json")
+    pinned = contract.Provenance.from_json(pinned_path.read_text()) if pinned_path.is_file() else None
+    if pinned is not None and pf.provenance is not None and pinned.mismatches(pf.provenance):
+        raise ConfigChanged(f"extraction {ext.id} was captured with other numerics "
+                            f"({', '.join(pinned.mismatches(pf.provenance))} differ from {pinned_path}); "
+                            "use another extraction_id for this server setup")
+    if pf.provenance is not None and pinned is None:
+        contract.atomic_write_bytes(pinned_path, pf.provenance.to_json().encode())
+    expect = expect.pinned(pf.provenance or pinned) if (pf.provenance or pinned) else expect
+    limit = ext.token_limit
+    if pf.context_length:
+        limit = min(limit, pf.context_length - max(1, p.context_headroom))
+    dirs = [*pf.capture_dirs, *([p.server_capture_dir] if p.server_capture_dir else [])]
+    client = ClientConfig(concurrency=p.concurrency, timeout_s=p.request_timeout_s, max_attempts=p.max_attempts,
+                          backoff_s=p.backoff_s, backoff_max_s=max(p.backoff_s, 15.0))
+    ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit,
+                     client_config=client, validate_config=ValidateConfig(
+                         shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement),
+                     transport=transport)
+    if p.regeneration.enabled:
+        r = p.regeneration
+        ctx.encoder = ChatEncoder(ext.model_dir)
+        ctx.regen_config = RegenConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                       seed=r.seed)
+        # the argmax check multiplies every answer token by the [V, H] LM head: on a GPU host this is the
+        # validation's main cost on the CPU, so it runs on the GPU when there is one
+        head = load_lm_head(ext.model_dir)
+        ctx.lm_head = head.to("cuda") if torch.cuda.is_available() else head
+    return ctx
+
+

@@ -1,0 +1,167 @@
+"""The ONE extraction loop: open -> prepare -> plan -> launch -> connect -> stream (rounds) -> report.
+
+Owns the order of engine work for one run. :func:`run_extraction` is called as it is by the CLI and
+by the Prefect flow, which passes a ``step`` wrapper that makes each call a task (so there is one loop,
+not two). The engine work of a round is :func:`eaglenest.extraction.stream.stream`, a pipeline rather
+than phase after phase:
+
+- every pending sample enters at once; the client keeps ``concurrency`` requests in flight per server
+  from one priority queue, so the engine's batch stays full until the last request;
+- regeneration (optional): each answer is persisted (``answers.jsonl``) as it arrives, the
+  conversation's next turn is queued ahead of new conversations, and a finished sample is persisted
+  (``regenerated.jsonl``) and queued for capture at once;
+- capture: a prefill request per sample (rid = sample id); its answer hands the sample to a validation
+  thread that checks shards in chunks and appends them to the ledger while the engine keeps working.
+
+Retryable failures (a dead server) end the round; the dead servers are relaunched and the round runs
+again on what is left (bounded); invalid shards are re-queued once in a last round.
+
+Invariants: no request for a sample whose shard is already present (validation decides it), nor for
+an answer already persisted; terminal failures are never resent within a run; every server this run
+launched is stopped on every exit path; one process at a time runs an extraction (folder lock);
+nothing here imports Prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from eaglenest.data.samples import Sample
+from eaglenest.extraction.connect import RunContext, connect, make_pool
+from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
+from eaglenest.extraction.stream import Phases, RoundResult, problem, stream, validate_step
+from eaglenest.servers import ServerPool
+
+Step = Callable[..., Any]
+"""``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""
+
+
+def direct(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    total: int
+    """Samples of the extraction (done before this run included)."""
+    done_before: int
+    """Samples settled before this run (validated, or skipped by an earlier regeneration)."""
+    answered: int
+    """Capture answers this run (shards written)."""
+    failed: int
+    skipped: int
+    """Skipped this run (a regenerated answer cut or empty, a sample over the server's limit)."""
+    validated: int
+    """Settled before this run + validated this run (so a resumed run does not show 0)."""
+    tokens: int
+    """Prompt tokens prefilled with capture this run."""
+    generated_tokens: int
+    regenerated: int
+    requests: int
+    elapsed_s: float
+    rates: dict[str, float] = field(default_factory=dict)
+    """generated_tok_per_s, prefill_tok_per_s, validated_per_s (each over its phase's time so far)."""
+
+# ------------------------------------------------------------------------------ servers
+def start_servers(pool: ServerPool) -> list[str]:
+    return pool.start()
+
+
+def stop_servers(pool: ServerPool) -> None:
+    pool.stop()
+
+
+# ------------------------------------------------------------------------------ end to end
+def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = None, pool: ServerPool | None = None,
+                   transport: httpx.AsyncBaseTransport | None = None, step: Step = direct) -> dict:
+    """Extract end to end; returns the report (also in report.json). ``step`` wraps each step's call."""
+    t0 = time.perf_counter()
+    ext = step(open_extraction, params)
+    with ext.lock():
+        prepared: Prepared = step(prepare, ext)
+        pending = step(plan, ext, prepared)
+        return _run(ext, prepared, pending, t0=t0, on_progress=on_progress, pool=pool, transport=transport,
+                    step=step)
+
+
+def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float,
+         on_progress: Callable[[Progress], None] | None, pool: ServerPool | None,
+         transport: httpx.AsyncBaseTransport | None, step: Step) -> dict:
+    params = ext.params
+    counts, phases, stages = Counts(), Phases(), {"prepare": time.perf_counter() - t0}
+    relaunches = launched = 0
+    done_before = len(prepared.samples) - len(pending)
+    if pending:
+        base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
+        last = [0.0]
+
+        def progress(live: dict[str, int], *, force: bool = False) -> None:
+            now = time.perf_counter()
+            if on_progress is None or (now - last[0] < 0.5 and not force):
+                return
+            last[0] = now
+            on_progress(Progress(
+                total=len(prepared.samples), done_before=done_before,
+                answered=base["answered"] + live["answered"], failed=base["failed"] + live["failed"],
+                skipped=base["skipped"] + live["skipped"],
+                validated=done_before + phases.validate.amount,
+                tokens=base["tokens"] + live["tokens"],
+                generated_tokens=phases.regenerate.amount, regenerated=base["regenerated"] + live["regenerated"],
+                requests=counts.requests, elapsed_s=now - t0, rates=phases.rates()))
+
+        pool = pool or make_pool(ext)
+        try:
+            t1 = time.perf_counter()
+            step(start_servers, pool)
+            stages["launch"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            ctx: RunContext = step(connect, ext, pool, transport=transport)
+            stages["connect"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            requeue, todo = [], pending
+            for round_ in range(params.max_relaunch_rounds + 1):
+                r: RoundResult = step(stream, ext, ctx, todo, phases=phases, on_progress=progress)
+                counts.add(r.counts)
+                requeue += r.requeue
+                for k in base:
+                    base[k] += r.live[k]
+                todo = r.retry
+                if not todo or round_ == params.max_relaunch_rounds or pool.revive() == 0:
+                    break
+            _give_up(counts, todo)
+            if requeue:  # invalid shards, once more
+                r = step(stream, ext, ctx, requeue, phases=phases, on_progress=progress, allow_requeue=False)
+                counts.add(r.counts)
+                for k in base:
+                    base[k] += r.live[k]
+                _give_up(counts, r.retry)
+            stages["stream"] = time.perf_counter() - t1
+            progress(dict.fromkeys(base, 0), force=True)
+            relaunches, launched = pool.relaunches, pool.launched
+        except BaseException:
+            # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
+            # Prefect API may be going down too), and let nothing raised here replace the original exception
+            with contextlib.suppress(Exception):
+                pool.stop()
+            raise
+        step(stop_servers, pool)
+    stages.update({"regenerate": phases.regenerate.seconds, "prefill": phases.prefill.seconds,
+                   "validate": phases.validate.seconds})
+    return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
+                servers_launched=launched, phases=stages, rates=phases.rates())
+
+
+def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:
+    """Samples still failing retryably after the last round: reported, left pending for a re-run."""
+    counts.failed += len(retry)
+    counts.problems += [problem(s.sample_id, "prefill", "server_unavailable",
+                                 "servers failed and the relaunch rounds are spent; re-run to resume") for s in retry]
+
+
+__all__ = ["Progress", "RunContext", "connect", "direct", "make_pool", "run_extraction", "stream", "validate_step"]

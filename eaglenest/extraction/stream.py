@@ -1,0 +1,318 @@
+"""One round of the extraction loop as a pipeline: regenerate -> capture -> validate, streamed.
+
+Owns :func:`stream` (what the module docstring of :mod:`eaglenest.extraction.run` describes as a round),
+the validation thread (:class:`Validator`, :func:`validate_step`) and the phase clocks (:class:`Phases`)
+that the report and the progress show.
+
+Invariants: an answer is persisted before it is used; a shard already present is validated, never
+requested; an interrupted round leaves answered-but-unvalidated shards for the next run (validated there
+without a request); the validation thread is always stopped before :func:`stream` returns or raises.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglenest import contract
+from eaglenest.data.chat import Skipped
+from eaglenest.data.samples import Sample
+from eaglenest.extraction.connect import RunContext
+from eaglenest.extraction.prefill import (
+    Answer,
+    EngineClient,
+    Failure,
+    Job,
+    capture_request,
+    check_capture_answer,
+    run_sync,
+)
+from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
+from eaglenest.extraction.state import (
+    ANSWERS,
+    REGENERATED,
+    Counts,
+    Extraction,
+    JsonlLog,
+    load_answers,
+    regenerated_row,
+)
+from eaglenest.extraction.validate import quarantine, validate_batch
+
+
+class Phase:
+    """When a phase ran (first start to last end, possibly overlapping others) and how much it did."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+        self.amount = 0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def mark(self, amount: int = 0) -> None:
+        self.begin()
+        self.end = time.perf_counter()
+        self.amount += amount
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+
+    def rate(self) -> float:
+        return self.amount / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Phases:
+    regenerate: Phase = field(default_factory=Phase)
+    """amount = generated tokens"""
+    prefill: Phase = field(default_factory=Phase)
+    """amount = prompt tokens captured"""
+    validate: Phase = field(default_factory=Phase)
+    """amount = samples validated"""
+
+    def rates(self) -> dict[str, float]:
+        return {"generated_tok_per_s": self.regenerate.rate(), "prefill_tok_per_s": self.prefill.rate(),
+                "validated_per_s": self.validate.rate()}
+
+
+def problem(sample_id: str, stage: str, kind: str, message: str) -> dict:
+    return {"sample_id": sample_id, "stage": stage, "kind": kind, "message": message}
+
+
+# ------------------------------------------------------------------------------ validation thread
+@dataclass
+class ValidateStep:
+    requeue: list[Sample] = field(default_factory=list)
+    counts: Counts = field(default_factory=Counts)
+
+
+def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *,
+                  allow_requeue: bool = True) -> ValidateStep:
+    """Validate shards, append the valid ones to the ledger, quarantine the rest (re-queue once)."""
+    step, t0 = ValidateStep(), time.perf_counter()
+    if not samples:
+        return step
+    res = validate_batch(samples, extraction_dir=ext.dir, expect=ctx.expect, server_capture_dirs=ctx.capture_dirs,
+                         config=ctx.validate_config, lm_head=ctx.lm_head)
+    ext.ledger.append(res.entries)
+    if res.pinned is not None:
+        pinned = ext.path("provenance.json")
+        if not pinned.is_file():
+            contract.atomic_write_bytes(pinned, res.pinned.to_json().encode())
+        ctx.expect = ctx.expect.pinned(res.pinned)
+    by_id = {s.sample_id: s for s in samples}
+    c = step.counts
+    c.validated, c.outliers = len(res.entries), res.outliers
+    for e in res.entries:
+        if "argmax_agreement" in e.stats:
+            c.argmax_hits += e.stats["argmax_agreement"] * e.stats["argmax_positions"]
+            c.argmax_positions += e.stats["argmax_positions"]
+    for inv in res.invalid:
+        if inv.requeue and allow_requeue:
+            step.requeue.append(by_id[inv.sample_id])
+        else:
+            c.invalid += 1
+            c.problems.append(problem(inv.sample_id, "validate", inv.kind, inv.reason))
+    c.requeued = len(step.requeue)
+    c.validate_s = time.perf_counter() - t0
+    return step
+
+
+class Validator:
+    """Validates answered samples in a thread, in chunks of up to ``chunk`` (whatever has arrived after
+    ``linger_s``), so shard checks and ledger appends overlap the engine's work."""
+
+    def __init__(self, ext: Extraction, ctx: RunContext, phase: Phase, *, chunk: int, allow_requeue: bool,
+                 linger_s: float = 0.25) -> None:
+        self.ext, self.ctx, self.phase, self.chunk = ext, ctx, phase, max(4, chunk)
+        self.allow_requeue, self.linger_s = allow_requeue, linger_s
+        self.counts, self.requeue = Counts(), []
+        self._q: queue.Queue[Sample | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._abandon = False
+        self._thread = threading.Thread(target=self._loop, name="extract-validate", daemon=True)
+        self._thread.start()
+
+    def put(self, sample: Sample) -> None:
+        self._q.put(sample)
+
+    def close(self, *, drain: bool = True) -> None:
+        """Validate what is queued (``drain``; else leave it to the next run), stop the thread, raise what
+        it raised."""
+        self._abandon = not drain
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        end = False
+        while not end:
+            item = self._q.get()
+            batch = [] if item is None else [item]
+            end = item is None
+            deadline = time.monotonic() + self.linger_s
+            while not end and len(batch) < self.chunk:
+                try:
+                    item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    end = True
+                else:
+                    batch.append(item)
+            if not batch or self._error is not None or self._abandon:
+                continue
+            try:
+                self.phase.begin()
+                v = validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue)
+            except BaseException as e:  # surfaced by close(); the loop keeps draining so close() returns
+                self._error = e
+                continue
+            self.counts.add(v.counts)
+            self.requeue += v.requeue
+            self.phase.mark(v.counts.validated)
+
+
+# ------------------------------------------------------------------------------ one round
+@dataclass
+class RoundResult:
+    counts: Counts = field(default_factory=Counts)
+    retry: list[Sample] = field(default_factory=list)
+    """Samples whose request failed retryably (server gone): the next round tries them again."""
+    failures: dict[str, Failure] = field(default_factory=dict)
+    requeue: list[Sample] = field(default_factory=list)
+    live: dict[str, int] = field(default_factory=dict)
+    """answered / failed / tokens / regenerated, as shown in progress."""
+
+
+def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phases: Phases | None = None,
+           on_progress: Callable[[dict[str, int]], None] | None = None, allow_requeue: bool = True) -> RoundResult:
+    """Regenerate (when asked), capture and validate ``samples`` as one pipeline; see the module docstring."""
+    phases = phases or Phases()
+    res = RoundResult()
+    c = res.counts
+    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
+    regen = ext.params.regeneration.enabled
+    live = res.live = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
+    validator = Validator(ext, ctx, phases.validate, chunk=ext.params.batch_size, allow_requeue=allow_requeue)
+    answers_log = JsonlLog(ext.path(ANSWERS)) if regen else None
+    regen_log = JsonlLog(ext.path(REGENERATED)) if regen else None
+    regenerator = None
+    if regen:
+        persisted = {k: TurnAnswer.from_json(d) for k, d in load_answers(ext).items()}
+        regenerator = Regenerator(ctx.encoder, ctx.regen_config, ctx.max_prompt_tokens, answers=persisted,
+                                  on_answer=lambda a: answers_log.write([a.to_json()]), priority=0)
+
+    def capture(s: Sample, priority: int) -> list[Job]:
+        if s.num_tokens > ctx.max_prompt_tokens:
+            c.skipped += 1
+            live["skipped"] += 1
+            c.problems.append(problem(s.sample_id, "prefill", "too_long",
+                                       f"{s.num_tokens} tokens > server limit {ctx.max_prompt_tokens}"))
+            return []
+        name = contract.shard_filename(s.sample_id)
+        if any((d / name).is_file() for d in dirs):
+            c.reused_shards += 1  # answered before (e.g. a killed run): validation decides, no request
+            validator.put(s)
+            return []
+        phases.prefill.begin()
+        return [Job(s.sample_id, capture_request(s), payload=s, priority=priority, check=check_capture_answer)]
+
+    def regenerated(out: Job | Sample | Skipped) -> list[Job]:
+        if isinstance(out, Job):
+            return [out]
+        regen_log.write([regenerated_row(out)])
+        if isinstance(out, Skipped):
+            live["skipped"] += 1
+            c.problems.append(problem(out.sample_id, "regenerate", out.kind, out.reason))
+            return []
+        c.regenerated += 1
+        live["regenerated"] += 1
+        return capture(out, 0)
+
+    def failed(sample: Sample, f: Failure, stage: str) -> None:
+        live["failed"] += 1
+        if f.kind == "retryable":
+            res.retry.append(sample)
+        else:
+            res.failures[sample.sample_id] = f
+            c.problems.append(problem(sample.sample_id, stage, f.reason, f.message))
+            if stage == "prefill" and f.reason == "contract":  # its shard must not stay under the capture name
+                path = next((d / contract.shard_filename(sample.sample_id) for d in dirs
+                             if (d / contract.shard_filename(sample.sample_id)).is_file()), None)
+                if path is not None:
+                    quarantine(ext.dir, path, sample.sample_id, f.message, "contract")
+
+    def on_outcome(o: Answer | Failure) -> list[Job]:
+        if isinstance(o.payload, Sample):  # a capture
+            s = o.payload
+            if isinstance(o, Failure):
+                failed(s, o, "prefill")
+            else:
+                live["answered"] += 1
+                live["tokens"] += s.num_tokens
+                phases.prefill.mark(s.num_tokens)
+                validator.put(s)
+            follow: list[Job] = []
+        else:  # a regeneration turn
+            st = o.payload
+            if isinstance(o, Failure):
+                failed(st.sample, o, "regenerate")
+                follow = []
+            else:
+                before = regenerator.stats.generated_tokens
+                try:
+                    out = regenerator.answered(st, o.body)
+                except ValueError as e:
+                    failed(st.sample, Failure(o.key, "terminal", "contract", str(e), o.server, o.attempts),
+                           "regenerate")
+                    out = None
+                phases.regenerate.mark(regenerator.stats.generated_tokens - before)
+                follow = regenerated(out) if out is not None else []
+        if on_progress is not None:
+            on_progress(live)
+        return follow
+
+    ok = False
+    try:
+        jobs: list[Job] = []
+        for s in sorted(samples, key=lambda s: -s.num_tokens):  # long ones first: less tail latency
+            if regen and not s.regenerated:
+                out = regenerator.start(s)
+                if isinstance(out, Job):
+                    phases.regenerate.begin()
+                jobs += regenerated(out)
+            else:
+                jobs += capture(s, 1)
+        if jobs:
+            client = EngineClient(ctx.pool.urls, config=ctx.client_config, transport=ctx.transport)
+            run_sync(lambda: client.run(jobs, on_outcome=on_outcome))
+            c.requests, c.retries = client.stats.requests, client.stats.retries
+        ok = True
+    finally:
+        for log in (answers_log, regen_log):
+            if log is not None:
+                log.close()
+        # interrupted: shards answered but not validated stay for the next run (it validates them, no request)
+        validator.close(drain=ok)
+        if on_progress is not None:
+            on_progress(live)
+    c.add(validator.counts)
+    res.requeue = validator.requeue
+    c.tokens = live["tokens"]
+    c.failed = len(res.failures)
+    if regenerator is not None:
+        c.generated_tokens = regenerator.stats.generated_tokens
+        c.replayed_answers = regenerator.stats.replayed
+        c.turns_cut = regenerator.stats.turns_cut
+    c.prefill_s = phases.prefill.seconds
+    return res
