@@ -54,6 +54,9 @@ def train_command(
     store: Annotated[str, typer.Option(help="store URL (Arrow store) or an extraction folder with ledger.jsonl")],
     out: Annotated[Path, typer.Option(help="run folder (checkpoints, metrics.jsonl, result.json); resumes if present")],
     target: Annotated[str, typer.Option(help="target model folder or 'default' (SmolLM2)")] = _d("target"),
+    check_store_sha256: Annotated[bool, typer.Option(
+        help="sha256-check each store data file on first read (off: only for a store you trust)")] = _d(
+        "check_store_sha256"),
     draft_vocab: Annotated[int | None, typer.Option(help="draft vocabulary (unset: 8192 CPU, 32000 GPU)")] = _d(
         "draft_vocab_size"),
     ttt_steps: Annotated[int, typer.Option(help="TTT unroll length k")] = _d("ttt_steps"),
@@ -84,7 +87,8 @@ def train_command(
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fields = dict(store=store, out_dir=str(out), target=target, draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
+    fields = dict(store=store, out_dir=str(out), target=target, check_store_sha256=check_store_sha256,
+                  draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
                   epochs=epochs, max_steps=max_steps, max_tokens=max_tokens, grad_accum=grad_accum,
                   max_seq_len=max_seq_len, lr=lr, warmup_steps=warmup_steps, precision=precision.value, device=device,
                   eval_fraction=eval_fraction, eval_max_samples=eval_max_samples, eval_every=eval_every,

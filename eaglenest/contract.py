@@ -111,12 +111,19 @@ class Provenance:
     num_layers: int
     convention: str = CONVENTION
     schema_version: int = SCHEMA_VERSION
+    store_encoding: str = "bf16"
+    """How a store holds the states: ``bf16`` (bit exact, as captured; shards are always bf16) or ``fp8``
+    (e4m3 with per-token block scales, see :mod:`eaglenest.store.encoding`). Left out of the JSON when bf16,
+    so provenance written before stores had encodings reads and hashes as it did."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        data = dataclasses.asdict(self)
+        if data["store_encoding"] == "bf16":
+            del data["store_encoding"]
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | dict) -> Provenance:
@@ -174,6 +181,9 @@ class Shard:
         }
         if self.input_ids.dim() != 1 or t == 0:
             raise ContractError(f"shard {self.sample_id!r}: input_ids must be a non-empty 1-D tensor")
+        if p.store_encoding != "bf16":
+            raise ContractError(f"shard {self.sample_id!r}: provenance says store_encoding {p.store_encoding!r}; "
+                                "shards hold the captured bf16 states (an encoding is chosen at conversion)")
         for name, (shape, dtype, tensor) in expect.items():
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ContractError(

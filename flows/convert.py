@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect import flow
 from pydantic import BaseModel, Field
 
@@ -17,9 +19,15 @@ class ConvertParams(BaseModel):
     target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Target size of each Arrow data file, in MiB.")
     append: bool = Field(False, description="Add this extraction's new samples to the store's latest version "
                                             "instead of making a version of exactly this extraction.")
+    encoding: Literal["bf16", "fp8"] = Field(
+        "bf16", description="bf16: the captured bits. fp8: e4m3 with a per-token scale per aux layer and for the final "
+        "state, half the bytes, at most 6.6% relative error per row. One version holds one encoding.")
+    partial: bool = Field(False, description="Convert although samples of the extraction are still pending "
+                                             "(refused otherwise).")
 
 
 @flow(name="convert", log_prints=True)
 def convert_flow(params: ConvertParams) -> dict:
     """Validated shards -> Arrow IPC data files + index + manifest (written last)."""
-    return convert_or_cached(params.extraction_dir, params.store_url, params.target_file_mb << 20, params.append)
+    return convert_or_cached(params.extraction_dir, params.store_url, params.target_file_mb << 20, params.append,
+                             encoding=params.encoding, partial=params.partial)

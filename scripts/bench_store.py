@@ -13,6 +13,11 @@ about --gb GB in --workdir, then prints:
   opened Store) and warm; best of --repeats passes each.
 - zero copies: the same sample read twice has the same data pointer, inside the file's memory map;
   anonymous RSS (RssAnon) barely moves while every byte of the store is read.
+- sha256 check: first-read MB/s of a cold store (random order, fresh Store per pass) with the per-file sha256
+  check on first read (the default) and without it (``check_sha256=False``).
+- encodings: conversion MB/s (shard bytes in / wall seconds, best of repeats) and bytes per token of the same
+  extraction converted as bf16 and as fp8 (``--device`` says where fp8 is encoded).
+``--sections`` picks what runs (default all: p3,p4,sha,enc).
 Numbers on a shared 2-core machine are noisy: rerun when the machine is quiet.
 """
 
@@ -95,6 +100,33 @@ def read_pass(store, order, out: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def first_read(url: str, files, order, out: torch.Tensor, *, check: bool, cold: bool) -> float:
+    """Seconds to read every sample once through a fresh Store that has not checked its files yet (the
+    verified-file memo is cleared); cold: the store's pages are evicted first."""
+    from eaglenest.store import reader
+
+    reader._CHECKED.clear()
+    if cold:
+        evict(files)
+    return read_pass(open_store(url, check_sha256=check), order, out)
+
+
+def compare_encodings(ex: Path, work: Path, shard_bytes: int, args) -> None:
+    res = {}
+    for enc in ("bf16", "fp8"):
+        best, summary = float("inf"), None
+        for _ in range(args.repeats):
+            shutil.rmtree(work / f"store-{enc}", ignore_errors=True)
+            summary = convert(ex, str(work / f"store-{enc}"), target_file_bytes=args.target_file_mb << 20,
+                              encoding=enc, device=args.device)
+            best = min(best, summary.seconds)
+        res[enc] = (shard_bytes / best / 1e6, summary.store_bytes / summary.tokens)
+        shutil.rmtree(work / f"store-{enc}")
+        print(f"  {enc}: convert {res[enc][0]:.0f} MB/s (input), {res[enc][1]:.1f} bytes/token")
+    print(f"encodings: fp8/bf16 conversion speed {res['fp8'][0] / res['bf16'][0]:.2f} (goal >= 1), "
+          f"bytes per token {res['fp8'][1] / res['bf16'][1]:.3f} (goal <= 0.52)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.0)
@@ -103,7 +135,10 @@ def main() -> None:
     ap.add_argument("--target-file-mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--sections", default="p3,p4,sha,enc", help="comma-separated: p3, p4, sha, enc")
+    ap.add_argument("--device", default="auto", help="enc: where fp8 encoding runs (auto | cpu | cuda)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.workdir))
     try:
         ex = work / "ex"
@@ -114,7 +149,7 @@ def main() -> None:
               f"built in {time.perf_counter() - t0:.0f} s; workdir {work}")
 
         cp_s, conv_s = [], []
-        for r in range(args.repeats):
+        for r in range(args.repeats if "p3" in sections else 0):
             cp_s.append(time_cp(ex / "capture", work / "cp"))
             shutil.rmtree(work / "cp")
             shutil.rmtree(work / "store", ignore_errors=True)
@@ -122,9 +157,15 @@ def main() -> None:
             conv_s.append(summary.seconds)
             print(f"  round {r}: cp {shard_bytes / cp_s[-1] / 1e6:.0f} MB/s, convert "
                   f"{shard_bytes / conv_s[-1] / 1e6:.0f} MB/s ({summary.files_written} files)")
-        cp_mbs, conv_mbs = shard_bytes / min(cp_s) / 1e6, shard_bytes / min(conv_s) / 1e6
-        print(f"P3 conversion {conv_mbs:.0f} MB/s / cp {cp_mbs:.0f} MB/s = {conv_mbs / cp_mbs:.3f} (target >= 0.8)")
+        if "p3" in sections:
+            cp_mbs, conv_mbs = shard_bytes / min(cp_s) / 1e6, shard_bytes / min(conv_s) / 1e6
+            print(f"P3 conversion {conv_mbs:.0f} MB/s / cp {cp_mbs:.0f} MB/s = {conv_mbs / cp_mbs:.3f} "
+                  "(target >= 0.8)")
+        else:
+            convert(ex, str(work / "store"), target_file_bytes=args.target_file_mb << 20)
 
+        if "enc" in sections:
+            compare_encodings(ex, work, shard_bytes, args)
         store = open_store(str(work / "store"))
         files = store._paths
         nbytes = sum(f["bytes"] for f in store.manifest["files"])
@@ -133,6 +174,13 @@ def main() -> None:
         file_order = sorted(range(len(store)), key=lambda i: (store._file[i], store._offset[i]))
         rand_order = file_order[:]
         random.Random(1).shuffle(rand_order)
+        for cold in (True, False) if "sha" in sections else ():
+            mbs = {check: nbytes / min(first_read(str(work / "store"), files, rand_order, out, check=check, cold=cold)
+                                       for _ in range(args.repeats)) / 1e6 for check in (True, False)}
+            print(f"sha256 check: first read ({'cold' if cold else 'warm'}, random order) {mbs[True]:.0f} MB/s "
+                  f"with the check, {mbs[False]:.0f} MB/s without = {mbs[True] / mbs[False]:.2f}")
+        if "p4" not in sections:
+            return
         rss0 = rss_anon_mb()
         for cold in (True, False):
             res = {}

@@ -73,7 +73,7 @@ def test_sample_with_more_than_2_31_values_round_trips(tmp_path):
     sink = SparseSink(path)
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=L.IPC_OPTIONS) as w:
         start = L.first_batch_offset(schema)
-        w.write_batch(L.sample_batch(schema, ids, mask, aux, final))
+        w.write_batch(L.sample_batch(schema, [ids, mask, aux, final]))
         end = sink.tell()
     del bits_aux, bits_final, aux, final
     assert end - start > 2**32
@@ -85,7 +85,8 @@ def test_sample_with_more_than_2_31_values_round_trips(tmp_path):
     base = torch.frombuffer(mm, dtype=torch.uint8)
     buf = pa.py_buffer(mm)
     batch = pa.ipc.read_record_batch(pa.ipc.read_message(buf.slice(start, end - start)), schema)
-    r_ids, r_mask, r_aux, r_final = L.batch_tensors(batch, base, buf.address)
+    cols = L.batch_tensors(batch, base, buf.address)
+    r_ids, r_mask, r_aux, r_final = (cols[n] for n in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"))
     assert r_aux.shape == (t, kh) and r_final.shape == (t, h)
     flat_aux, flat_final = r_aux.view(-1).view(torch.int16), r_final.view(-1).view(torch.int16)
     assert [int(flat_aux[p]) for p in probe_aux] == [0x3F80 + j for j in range(len(probe_aux))]

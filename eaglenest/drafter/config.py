@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 RESUME_MUTABLE = frozenset({
     "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
-    "threads", "device",
+    "threads", "device", "check_store_sha256",
 })
 """Locations (content is checked separately: store fingerprint, target model hash) and pacing."""
 
@@ -26,6 +26,10 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     store: str = Field(description="Store URL (Arrow store), or an extraction folder with ledger.jsonl.")
+    check_store_sha256: bool = Field(
+        True, description="sha256-check each store data file against its manifest on first read, so a file "
+        "changed on storage fails the run naming it; turn off only for a store you trust (saves one hash pass)."
+    )
     out_dir: str = Field(description="Run folder: checkpoints/, metrics.jsonl, result.json.")
     target: str = Field("default", description="Target model folder, or 'default' (SmolLM2-135M-Instruct).")
     draft_vocab_size: int | None = Field(

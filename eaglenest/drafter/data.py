@@ -37,12 +37,15 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the checkout
 __all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "split_indices"]
 
 
-def open_store(url: str):
-    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place."""
+def open_store(url: str, *, check_sha256: bool = True):
+    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place.
+
+    check_sha256: an Arrow store sha256-checks each data file on its first read (extraction folders check
+    every shard against the ledger anyway)."""
     path = Path(str(url).removeprefix("file://"))
     if (path / "ledger.jsonl").is_file() or open_arrow_store is None:
         return fallback_store.open_store(path)
-    return open_arrow_store(str(url))
+    return open_arrow_store(str(url), check_sha256=check_sha256)
 
 
 def held_out(sample_id: str, fraction: float) -> bool:
@@ -64,26 +67,56 @@ def split_indices(
     return train, evals
 
 
-def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype) -> Batch:
-    """Right-pad samples (each cut to its first ``max_seq_len`` tokens) into one Batch."""
+def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype,
+            device: torch.device | str | None = None) -> Batch:
+    """Right-pad samples (each cut to its first ``max_seq_len`` tokens) into one Batch on ``device``.
+
+    Samples of an fp8 store travel as their codes and scales (half the bytes of bf16) and are decoded on
+    ``device``; any other sample's states are padded on the CPU in ``dtype`` and moved."""
     lens = [min(int(s.input_ids.numel()), max_seq_len) for s in samples]
     b, t = len(samples), max(lens)
-    first = samples[0]
     ids = torch.zeros(b, t, dtype=torch.int64)
     mask = torch.zeros(b, t, dtype=torch.bool)
-    aux = torch.zeros(b, t, first.aux_hidden.shape[-1], dtype=dtype)
-    final = torch.zeros(b, t, first.final_hidden.shape[-1], dtype=dtype)
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
         ids[r, :n] = s.input_ids[:n].to(torch.int64)
         mask[r, :n] = s.loss_mask[:n].to(torch.bool)
-        aux[r, :n] = s.aux_hidden[:n].to(dtype)
-        final[r, :n] = s.final_hidden[:n].to(dtype)
+    if all(getattr(s, "fp8", None) is not None for s in samples):
+        aux, final = _padded_fp8(samples, lens, dtype, device)
+    else:
+        aux, final = _padded_states(samples, lens, dtype)
     if not (contract.all_finite(aux) and contract.all_finite(final)):
         bad = [sid for sid, s in zip(indices, samples, strict=True)
                if not (contract.all_finite(s.aux_hidden) and contract.all_finite(s.final_hidden))]
         raise contract.ContractError(f"non-finite hidden states in store samples {bad}; re-validate the store")
-    return Batch(input_ids=ids, loss_mask=mask, aux_hidden=aux, final_hidden=final,
-                 lengths=torch.tensor(lens, dtype=torch.int64), indices=tuple(int(i) for i in indices))
+    batch = Batch(input_ids=ids, loss_mask=mask, aux_hidden=aux, final_hidden=final,
+                  lengths=torch.tensor(lens, dtype=torch.int64), indices=tuple(int(i) for i in indices))
+    return batch.to(device) if device is not None else batch
+
+
+def _padded_states(samples: Sequence, lens: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    b, t, first = len(samples), max(lens), samples[0]
+    aux = torch.zeros(b, t, first.aux_hidden.shape[-1], dtype=dtype)  # [B, T, k*H]
+    final = torch.zeros(b, t, first.final_hidden.shape[-1], dtype=dtype)  # [B, T, H]
+    for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
+        aux[r, :n] = s.aux_hidden[:n].to(dtype)
+        final[r, :n] = s.final_hidden[:n].to(dtype)
+    return aux, final
+
+
+def _padded_fp8(samples: Sequence, lens: Sequence[int], dtype: torch.dtype,
+                device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad codes and scales on the CPU (zero codes with zero scales decode to the zero padding), move them,
+    decode on the device."""
+    from eaglenest.store.encoding import Fp8States
+
+    b, t, first = len(samples), max(lens), samples[0].fp8
+    parts = [torch.zeros(b, t, x.shape[-1], dtype=x.dtype)
+             for x in (first.aux_codes, first.aux_scale, first.final_codes, first.final_scale)]
+    for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
+        for dst, src in zip(parts, (s.fp8.aux_codes, s.fp8.aux_scale, s.fp8.final_codes, s.fp8.final_scale),
+                            strict=True):
+            dst[r, :n] = src[:n]
+    return Fp8States(*parts).decode(dtype, device)
 
 
 class BatchStream:

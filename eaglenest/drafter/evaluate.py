@@ -77,7 +77,7 @@ def evaluate(
     try:
         for group in eval_batches(lengths, max_tokens):
             idx = [indices[g] for g in group]
-            batch = collate([store[i] for i in idx], idx, max_seq_len=max_seq_len, dtype=dtype).to(device)
+            batch = collate([store[i] for i in idx], idx, max_seq_len=max_seq_len, dtype=dtype, device=device)
             tokens += batch.num_tokens
             with autocast or contextlib.nullcontext():
                 rows = target_rows(batch, head_full, draft_ids, model.t2d)

@@ -184,7 +184,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     run_dir = Path(config.out_dir)
-    store = store if store is not None else open_store(config.store)
+    store = store if store is not None else open_store(config.store, check_sha256=config.check_store_sha256)
     target_dir = model_lib.resolve_model(config.target)
     check_store_target(store.provenance, target_dir)
     train_idx, eval_idx = split_indices(store.sample_ids, config.eval_fraction, max_eval=config.eval_max_samples)
@@ -281,7 +281,7 @@ def _train(config: TrainConfig, d: Dist, store, callback, clock) -> TrainResult:
         micro = stream.take(per_step)
         mine = micro[d.rank * config.grad_accum : (d.rank + 1) * config.grad_accum]
         batches = [collate([store[train_idx[j]] for j in mb], [train_idx[j] for j in mb],
-                           max_seq_len=config.max_seq_len, dtype=head_dtype).to(device) for mb in mine]
+                           max_seq_len=config.max_seq_len, dtype=head_dtype, device=device) for mb in mine]
         counts = sum(step_counts(b.loss_mask, k) for b in batches).to(torch.float64)  # [k]
         ntok = torch.tensor(float(sum(b.num_tokens for b in batches)), dtype=torch.float64)
         if d.world > 1:

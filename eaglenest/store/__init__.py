@@ -40,6 +40,7 @@ from eaglenest.store.layout import (
 )
 from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
 from eaglenest.store.sampler import LengthBucketSampler, StoreDataset, split_indices
+from eaglenest.store.verify import verify_store
 
 __all__ = [
     "DEFAULT_TARGET_FILE_BYTES",
@@ -58,4 +59,5 @@ __all__ = [
     "list_versions",
     "open_store",
     "split_indices",
+    "verify_store",
 ]

@@ -2,6 +2,8 @@
 
 Owns planning, writing and committing store versions. Invariants:
 
+- An extraction with samples still pending (its ``report.json`` counts them) is refused unless the caller
+  asks for a partial store (``partial=True``): a store never silently holds half a run.
 - Only ledger entries are converted, each shard checked against the ledger's sha256 and the capture
   contract (see :mod:`eaglenest.store.shards`); mixed provenance or schema versions are refused before
   anything is written. The store records the first shard's provenance.
@@ -24,8 +26,9 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import partial as partial_fn
 from pathlib import Path
 
 import fsspec
@@ -35,10 +38,17 @@ import torch
 from eaglenest.contract import Provenance, Shard
 from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
+from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_states
 from eaglenest.store.reader import open_store
-from eaglenest.store.shards import check_inputs, prefetch_shards
+from eaglenest.store.shards import check_inputs, check_pending, prefetch_shards
 
 DEFAULT_TARGET_FILE_BYTES = 256 << 20
+DTYPES = {
+    "bf16": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "bfloat16", "final_hidden": "bfloat16"},
+    "fp8": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "float8_e4m3fn", "final_hidden": "float8_e4m3fn",
+            "aux_scale": "float32", "final_scale": "float32"},
+}
+"""What the manifest says each column holds, per encoding."""
 ProgressFn = Callable[[int, int], None]
 
 
@@ -62,6 +72,9 @@ class ConvertSummary:
     """Data bytes of the whole version (written + reused)."""
     seconds: float
     already_complete: bool
+    pending: int = 0
+    """Samples of the extraction left out because they are still pending (only with ``partial=True``)."""
+    encoding: str = DEFAULT_ENCODING
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +87,8 @@ class _Planned:
 
 
 def file_key(provenance: Provenance, entries: Sequence[LedgerEntry]) -> str:
-    h = hashlib.sha256(f"{L.LAYOUT}\n{L.STORE_SCHEMA_VERSION}\n{provenance.to_json()}\n".encode())
+    layout = L.LAYOUTS[provenance.store_encoding]
+    h = hashlib.sha256(f"{layout}\n{L.STORE_SCHEMA_VERSION}\n{provenance.to_json()}\n".encode())
     for e in entries:
         h.update(json.dumps([e.sample_id, e.sha256, e.num_tokens, e.loss_spans]).encode() + b"\n")
     return h.hexdigest()[:40]
@@ -94,7 +108,43 @@ def plan_files(entries: Sequence[LedgerEntry], provenance: Provenance, target_fi
     return out
 
 
-def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator[tuple[LedgerEntry, Shard]]) -> dict:
+def sample_columns(encoding: str, device: torch.device, entry: LedgerEntry, shard: Shard) -> list[torch.Tensor]:
+    """The data columns of one sample in ``encoding`` (the order of :func:`layout.data_schema`); fp8 is
+    encoded on ``device`` (the same bits on any device: float32 division and e4m3 rounding are exact IEEE)."""
+    mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
+    if encoding == "bf16":
+        return [shard.input_ids, mask, shard.aux_hidden, shard.final_hidden]
+    fp8 = encode_states(shard.aux_hidden.to(device), shard.final_hidden.to(device),
+                        len(shard.provenance.aux_layer_ids), what=f"sample {entry.sample_id!r}")
+    return [shard.input_ids, mask, *(t.cpu() for t in (fp8.aux_codes, fp8.final_codes, fp8.aux_scale,
+                                                       fp8.final_scale))]
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """CPU fp8 encoding runs one sample per worker thread; torch's intra-op threads on top of those
+    oversubscribe the cores (5x slower measured on 2 busy cores). torch's thread count is per process:
+    it is restored when the conversion ends."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def encode_device(device: str) -> torch.device:
+    """Where fp8 encoding runs: ``auto`` is the GPU when one is visible (the encoding is compute-bound on CPUs)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema,
+                samples: Iterator[tuple[LedgerEntry, list[torch.Tensor]]]) -> dict:
     """Write one data file, then its sidecar; returns the sidecar record."""
     path = L.join(root, L.DATA_DIR, pf.key + L.DATA_SUFFIX)
     rows = []
@@ -102,12 +152,11 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema, shards: Iterator
         writer = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=L.IPC_OPTIONS)
         pos = L.first_batch_offset(schema)
         for _ in pf.entries:
-            entry, shard = next(shards)
-            mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
-            batch = L.sample_batch(schema, shard.input_ids, mask, shard.aux_hidden, shard.final_hidden)
-            writer.write_batch(batch, custom_metadata={"sample_id": entry.sample_id})
+            entry, columns = next(samples)
+            writer.write_batch(L.sample_batch(schema, columns), custom_metadata={"sample_id": entry.sample_id})
             rows.append(dict(sample_id=entry.sample_id, offset=pos, length=sink.size - pos,
-                             num_tokens=entry.num_tokens, loss_tokens=int(mask.sum()), shard_sha256=entry.sha256))
+                             num_tokens=entry.num_tokens, loss_tokens=int(columns[1].sum()),
+                             shard_sha256=entry.sha256))
             pos = sink.size
             if L.is_local(fs):
                 sink.start_writeback()
@@ -182,6 +231,9 @@ def convert(
     storage_options: dict | None = None,
     append: bool = False,
     rehash: bool = False,
+    partial: bool = False,
+    encoding: str = DEFAULT_ENCODING,
+    device: str = "auto",
     progress: ProgressFn | None = None,
     stale_tmp_seconds: float = 3600.0,
 ) -> ConvertSummary:
@@ -189,29 +241,41 @@ def convert(
 
     append: start from the store's latest version and add the ledger's samples it lacks (same provenance).
     rehash: also sha256-check files that a committed manifest already vouches for (quarantine + rebuild).
+    partial: convert although samples of the extraction are still pending (refused otherwise, with counts).
+    encoding: how the version holds the states: ``bf16`` (bit exact) or ``fp8`` (half the bytes, within the
+    error bound of :mod:`eaglenest.store.encoding`). One version holds one encoding.
+    device: where fp8 encoding runs (``auto``: a GPU when one is visible, else the CPU).
     progress: called as ``progress(samples_done, samples_total)``.
     """
     t0 = time.perf_counter()
     if target_file_bytes < 1:
         raise ValueError(f"target_file_bytes must be positive, got {target_file_bytes}")
+    check_encoding(encoding)
+    dev = encode_device(device)
     fs, root = L.resolve(url, storage_options)
     ledger = Ledger(extraction_dir)
     entries = list(ledger.entries().values())
     if not entries:
         raise L.ConvertInputError(f"{ledger.path}: no validated samples; run the extraction first")
-    prov = check_inputs(ledger.capture_dir, entries)
-    schema = L.data_schema(prov)
+    pending = check_pending(extraction_dir, entries, partial=partial)
+    capture = check_inputs(ledger.capture_dir, entries)  # the shards' provenance (bf16 states)
+    prov = replace(capture, store_encoding=encoding)  # the store's: the capture's, plus how it is stored
 
     base_records, parent = [], None
     if append:
         try:
-            base = open_store(url, storage_options=storage_options)
+            base = open_store(url, storage_options=storage_options, check_sha256=False)  # only its index is used
         except L.StoreNotFound:
             base = None
         if base is not None:
+            if base.encoding != encoding:
+                raise L.ConvertInputError(
+                    f"store {url} holds {base.encoding} states; appending {encoding} samples would mix encodings "
+                    f"in one version: append with --encoding {base.encoding}, or convert into a new store"
+                )
             base.provenance.require_match(prov, what=f"store {url} (latest version) vs extraction {extraction_dir}")
             prov = base.provenance  # every file of a version carries the same provenance (model_path included)
-            schema = L.data_schema(prov)
+            capture = replace(prov, store_encoding="bf16")
             parent = base.manifest["version"]
             base_records = base.file_records()
             known = dict(zip(base.sample_ids, base.shard_sha256, strict=True))
@@ -223,9 +287,11 @@ def convert(
                 )
             entries = [e for e in entries if e.sample_id not in known]
 
+    schema = L.data_schema(prov)
     planned = plan_files(entries, prov, target_file_bytes)
     keys = [r["key"] for r in base_records] + [p.key for p in planned]
-    version = hashlib.sha256(json.dumps([L.LAYOUT, prov.to_json(), keys]).encode()).hexdigest()[:24]
+    layout = L.LAYOUTS[encoding]
+    version = hashlib.sha256(json.dumps([layout, prov.to_json(), keys]).encode()).hexdigest()[:24]
     old = _read_json(fs, L.version_path(root, version, L.MANIFEST_NAME))
     trusted = {f["path"]: f for f in old["files"]} if old else {}
     sizes = {p: int(info["size"]) for p, info in _ls(fs, L.join(root, L.DATA_DIR)).items()}
@@ -241,20 +307,24 @@ def convert(
         progress(done, total)
 
     bytes_in = bytes_written = 0
+    cpu_encoding = encoding == "fp8" and dev.type == "cpu"
     if todo:
-        stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], prov)
+        stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
+                                 transform=partial_fn(sample_columns, encoding, dev),
+                                 workers=min(8, os.cpu_count() or 1) if cpu_encoding else 1)
         slot = {pf.key: j for j, pf in enumerate(planned)}
-        try:
-            for pf in todo:
-                rec = _write_file(fs, root, pf, schema, stream)
-                records[slot[pf.key]] = rec
-                bytes_in += sum(e.bytes for e in pf.entries)
-                bytes_written += rec["bytes"]
-                done += len(pf.entries)
-                if progress:
-                    progress(done, total)
-        finally:
-            stream.close()
+        with _one_torch_thread() if cpu_encoding else contextlib.nullcontext():
+            try:
+                for pf in todo:
+                    rec = _write_file(fs, root, pf, schema, stream)
+                    records[slot[pf.key]] = rec
+                    bytes_in += sum(e.bytes for e in pf.entries)
+                    bytes_written += rec["bytes"]
+                    done += len(pf.entries)
+                    if progress:
+                        progress(done, total)
+            finally:
+                stream.close()
 
     all_records = base_records + [r for r in records if r is not None]
     manifest = _commit_version(fs, root, version, prov, all_records, parent, old, extraction_dir)
@@ -265,7 +335,8 @@ def convert(
         files_reused=len(all_records) - len(todo),
         files_quarantined=len(fs.glob(L.join(root, L.QUARANTINE_DIR, "*.reason.json"))) - quarantined,
         bytes_in=bytes_in, bytes_written=bytes_written, store_bytes=sum(r["bytes"] for r in all_records),
-        seconds=time.perf_counter() - t0, already_complete=bool(old) and not todo,
+        seconds=time.perf_counter() - t0, already_complete=bool(old) and not todo, pending=pending,
+        encoding=prov.store_encoding,
     )
 
 
@@ -280,7 +351,7 @@ def _commit_version(fs, root, version, prov, records, parent, old, extraction_di
             cols["file"].append(i)
             cols["batch"].append(b)
         files.append({"path": f"{L.DATA_DIR}/{rec['key']}{L.DATA_SUFFIX}", "bytes": rec["bytes"],
-                      "sha256": rec["sha256"], "samples": len(rec["rows"]),
+                      "sha256": rec["sha256"], "samples": len(rec["rows"]), "encoding": prov.store_encoding,
                       "tokens": sum(r["num_tokens"] for r in rec["rows"])})
     if len(set(cols["sample_id"])) != len(cols["sample_id"]):
         raise L.ConvertInputError("duplicate sample ids across the version's files; this is a bug, please report")
@@ -289,14 +360,15 @@ def _commit_version(fs, root, version, prov, records, parent, old, extraction_di
     L.write_bytes(fs, L.join(root, index_rel), index)
     manifest = {
         "format": "eaglenest-store",
-        "layout": L.LAYOUT,
+        "layout": L.LAYOUTS[prov.store_encoding],
+        "encoding": prov.store_encoding,
         "schema_version": L.STORE_SCHEMA_VERSION,
         "version": version,
         "parent": parent,
         "created_at": old["created_at"] if old else datetime.now(UTC).isoformat(timespec="microseconds"),
         "extraction": Path(extraction_dir).name,
         "provenance": json.loads(prov.to_json()),
-        "dtypes": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "bfloat16", "final_hidden": "bfloat16"},
+        "dtypes": DTYPES[prov.store_encoding],
         "num_samples": len(cols["sample_id"]),
         "num_tokens": int(sum(cols["num_tokens"])),
         "loss_tokens": int(sum(cols["loss_tokens"])),

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -35,6 +35,10 @@ from eaglenest.contract import Provenance
 
 STORE_SCHEMA_VERSION = 1
 LAYOUT = "eaglenest-store/arrow-ipc-token-rows/v1"
+"""The bf16 layout (hidden states as captured). An older eaglenest reads only this one."""
+LAYOUTS = {"bf16": LAYOUT, "fp8": "eaglenest-store/arrow-ipc-token-rows-fp8/v1"}
+"""Layout per store encoding: another name for fp8, so an eaglenest without fp8 refuses such a store as an
+unknown layout ("upgrade eaglenest") instead of misreading its bytes."""
 DATA_DIR = "data"
 VERSIONS_DIR = "versions"
 QUARANTINE_DIR = "quarantine"
@@ -245,22 +249,40 @@ def move(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
 
 
 def data_schema(provenance: Provenance) -> pa.Schema:
-    """Schema of every data file of a store: one row per token, hidden states as bf16 bit patterns."""
+    """Schema of every data file of a store: one row per token, hidden states as stored bit patterns.
+
+    bf16 (``provenance.store_encoding``): aux_hidden / final_hidden are uint16 bf16 patterns. fp8: they are
+    uint8 e4m3 patterns, followed by float32 ``aux_scale`` [k] and ``final_scale`` [1] per token."""
+    enc = provenance.store_encoding
+    if enc not in LAYOUTS:
+        raise ValueError(f"unknown store encoding {enc!r} (known: {', '.join(LAYOUTS)})")
     k, h = len(provenance.aux_layer_ids), provenance.hidden_size
-    bf16 = {b"dtype": b"bfloat16", b"storage": b"uint16 bit pattern"}
+    fields = [pa.field("input_ids", pa.int32(), nullable=False),
+              pa.field("loss_mask", pa.uint8(), nullable=False, metadata={b"dtype": b"bool"})]
+    if enc == "bf16":
+        bf16 = {b"dtype": b"bfloat16", b"storage": b"uint16 bit pattern"}
+        fields += [pa.field("aux_hidden", pa.list_(pa.uint16(), k * h), nullable=False, metadata=bf16),
+                   pa.field("final_hidden", pa.list_(pa.uint16(), h), nullable=False, metadata=bf16)]
+    else:
+        fp8 = {b"dtype": b"float8_e4m3fn", b"storage": b"uint8 bit pattern, times the block's scale"}
+        fields += [pa.field("aux_hidden", pa.list_(pa.uint8(), k * h), nullable=False, metadata=fp8),
+                   pa.field("final_hidden", pa.list_(pa.uint8(), h), nullable=False, metadata=fp8),
+                   pa.field("aux_scale", pa.list_(pa.float32(), k), nullable=False),
+                   pa.field("final_scale", pa.list_(pa.float32(), 1), nullable=False)]
     return pa.schema(
-        [
-            pa.field("input_ids", pa.int32(), nullable=False),
-            pa.field("loss_mask", pa.uint8(), nullable=False, metadata={b"dtype": b"bool"}),
-            pa.field("aux_hidden", pa.list_(pa.uint16(), k * h), nullable=False, metadata=bf16),
-            pa.field("final_hidden", pa.list_(pa.uint16(), h), nullable=False, metadata=bf16),
-        ],
+        fields,
         metadata={
-            b"eaglenest.layout": LAYOUT.encode(),
+            b"eaglenest.layout": LAYOUTS[enc].encode(),
             b"eaglenest.schema_version": str(STORE_SCHEMA_VERSION).encode(),
             b"eaglenest.provenance": provenance.to_json().encode(),
         },
     )
+
+
+def schema_encoding(schema: pa.Schema) -> str:
+    """The encoding a data file's schema says it holds ("?" when its layout is unknown)."""
+    layout = (schema.metadata or {}).get(b"eaglenest.layout", b"").decode()
+    return next((enc for enc, lay in LAYOUTS.items() if lay == layout), "?")
 
 
 def _arrow_from(tensor: torch.Tensor, arrow_type: pa.DataType) -> pa.Array:
@@ -274,22 +296,18 @@ def _arrow_from(tensor: torch.Tensor, arrow_type: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(arrow_type, arr.size, [None, pa.py_buffer(arr)])
 
 
-def sample_batch(
-    schema: pa.Schema,
-    input_ids: torch.Tensor,  # [T] int32
-    loss_mask: torch.Tensor,  # [T] bool
-    aux_hidden: torch.Tensor,  # [T, k*H] bf16
-    final_hidden: torch.Tensor,  # [T, H] bf16
-) -> pa.RecordBatch:
-    """One sample as one record batch of T rows, wrapping the tensors' memory."""
-    kh, h = aux_hidden.shape[1], final_hidden.shape[1]
-    columns = [
-        _arrow_from(input_ids, pa.int32()),
-        _arrow_from(loss_mask, pa.uint8()),
-        pa.FixedSizeListArray.from_arrays(_arrow_from(aux_hidden, pa.uint16()), kh),
-        pa.FixedSizeListArray.from_arrays(_arrow_from(final_hidden, pa.uint16()), h),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
+def sample_batch(schema: pa.Schema, columns: Sequence[torch.Tensor]) -> pa.RecordBatch:
+    """One sample as one record batch of T rows, wrapping the tensors' memory.
+
+    ``columns`` follow the schema: input_ids [T] int32, loss_mask [T] bool, aux_hidden [T, k*H] and
+    final_hidden [T, H] (bf16, or uint8 fp8 codes), then for fp8 aux_scale [T, k] and final_scale [T, 1]."""
+    arrays = []
+    for f, tensor in zip(schema, columns, strict=True):
+        if pa.types.is_fixed_size_list(f.type):
+            arrays.append(pa.FixedSizeListArray.from_arrays(_arrow_from(tensor, f.type.value_type), f.type.list_size))
+        else:
+            arrays.append(_arrow_from(tensor, f.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def first_batch_offset(schema: pa.Schema) -> int:
@@ -304,24 +322,31 @@ def _view(base: torch.Tensor, base_address: int, buf: pa.Buffer, nbytes: int, dt
     return base[start : start + nbytes].view(dtype)
 
 
-def batch_tensors(
-    batch: pa.RecordBatch, base: torch.Tensor, base_address: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids [T] int32, loss_mask [T] bool, aux_hidden [T, kH] bf16, final_hidden [T, H] bf16).
+_STORAGE = {pa.int32(): torch.int32, pa.uint8(): torch.uint8, pa.uint16(): torch.int16, pa.float32(): torch.float32}
+_LOGICAL = {b"bfloat16": torch.bfloat16, b"bool": torch.bool}
 
-    ``base`` is a uint8 tensor over the memory holding the batch's message (an mmap or fetched bytes);
-    every returned tensor is a view of it.
+
+def batch_tensors(batch: pa.RecordBatch, base: torch.Tensor, base_address: int) -> dict[str, torch.Tensor]:
+    """Every column as a tensor viewing ``base``: [T] for scalars, [T, width] for fixed-size lists; bf16 and
+    bool columns in their logical dtype, fp8 codes as uint8 (decoded by :mod:`eaglenest.store.encoding`).
+
+    ``base`` is a uint8 tensor over the memory holding the batch's message (an mmap or fetched bytes).
     """
     t = batch.num_rows
-    cols = [batch.column(i) for i in range(4)]
-    if any(c.null_count or c.offset for c in cols):
-        raise ValueError("unexpected nulls or offsets in a sample batch")
-    kh, h = cols[2].type.list_size, cols[3].type.list_size
-    ids = _view(base, base_address, cols[0].buffers()[1], 4 * t, torch.int32)
-    mask = _view(base, base_address, cols[1].buffers()[1], t, torch.uint8).view(torch.bool)
-    aux = _view(base, base_address, cols[2].values.buffers()[1], 2 * t * kh, torch.bfloat16).view(t, kh)
-    final = _view(base, base_address, cols[3].values.buffers()[1], 2 * t * h, torch.bfloat16).view(t, h)
-    return ids, mask, aux, final
+    out = {}
+    for f, col in zip(batch.schema, batch.columns, strict=True):
+        if col.null_count or col.offset:
+            raise ValueError("unexpected nulls or offsets in a sample batch")
+        width = f.type.list_size if pa.types.is_fixed_size_list(f.type) else None
+        values = col.values if width else col
+        dtype = _STORAGE[values.type]
+        n = t * (width or 1)
+        tensor = _view(base, base_address, values.buffers()[1], n * dtype.itemsize, dtype)
+        logical = _LOGICAL.get((f.metadata or {}).get(b"dtype", b""))
+        if logical is not None:
+            tensor = tensor.view(logical)
+        out[f.name] = tensor.view(t, width) if width else tensor
+    return out
 
 
 # ---------------------------------------------------------------- index table

@@ -10,6 +10,8 @@ Owns how the converter reads shards. Invariants:
   directly and tensors are views of the map, so a shard's bytes are never copied before the Arrow write.
   The format is the contract's shard v1 (safetensors: 8-byte header length, JSON header, raw tensors).
 - Mixed schema versions or provenances are refused by a header-only pass before anything is written.
+- Samples still pending in the extraction are counted (:func:`pending_samples`) so that the converter can
+  refuse a partial store unless asked for one.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import hashlib
 import json
 import mmap
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -66,6 +69,43 @@ def check_inputs(capture_dir: Path, entries: Sequence[LedgerEntry]) -> Provenanc
     if first is None:
         raise ConvertInputError("no shards to convert")
     return first[1]
+
+
+def pending_samples(extraction_dir: str | Path, ledger_ids: set[str]) -> tuple[int, int] | None:
+    """(pending, total) samples of an extraction, or None for a folder that is not a pipeline extraction.
+
+    The extraction's ``report.json`` (written at the end of each run) counts them; samples validated after it
+    was written (a later run killed before its report) are taken off. Without a report (the first run was
+    killed), the prepared ``samples.parquet`` minus the ledger is the count (skips included: an upper bound).
+    """
+    folder = Path(extraction_dir)
+    try:
+        report = json.loads((folder / "report.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        report = None  # absent, or torn by a crash mid-write of an older eaglenest: count from the samples
+    if isinstance(report, dict) and isinstance(report.get("pending"), int) and isinstance(report.get("done"), int):
+        newer = max(0, len(ledger_ids) - report["done"])
+        return max(0, report["pending"] - newer), int(report.get("samples", len(ledger_ids)))
+    samples = folder / "samples.parquet"
+    if samples.is_file():
+        import pyarrow.parquet as pq
+
+        ids = set(pq.read_table(samples, columns=["sample_id"]).column("sample_id").to_pylist())
+        return len(ids - ledger_ids), len(ids)
+    return None
+
+
+def check_pending(extraction_dir: str | Path, entries: Sequence[LedgerEntry], *, partial: bool) -> int:
+    """How many samples are pending; refuses (ConvertInputError, with the counts) unless ``partial``."""
+    counts = pending_samples(extraction_dir, {e.sample_id for e in entries})
+    pending = counts[0] if counts else 0
+    if pending and not partial:
+        raise ConvertInputError(
+            f"{extraction_dir}: {pending} of {counts[1]} samples are still pending (not captured and validated); "
+            "finish the extraction (re-run the same extract command to resume) or convert the "
+            f"{len(entries)} validated samples anyway with --partial"
+        )
+    return pending
 
 
 def decode_mapped(buf: mmap.mmap, where: str) -> Shard:
@@ -135,17 +175,28 @@ def load_shard(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) ->
     return shard
 
 
-def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry],
-                    provenance: Provenance) -> Iterator[tuple[LedgerEntry, Shard]]:
-    """Load shards in order on a helper thread, up to PREFETCH_BYTES ahead (hashing releases the GIL)."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-read")
+def _load(capture_dir: Path, entry: LedgerEntry, provenance: Provenance,
+          transform: Callable[[LedgerEntry, Shard], Any] | None) -> Any:
+    shard = load_shard(capture_dir, entry, provenance)
+    return shard if transform is None else transform(entry, shard)
+
+
+def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry], provenance: Provenance, *,
+                    transform: Callable[[LedgerEntry, Shard], Any] | None = None,
+                    workers: int = 1) -> Iterator[tuple[LedgerEntry, Any]]:
+    """Load shards in order on helper threads, up to PREFETCH_BYTES ahead (hashing releases the GIL).
+
+    transform: applied to each loaded shard on its helper thread (the converter builds the sample's columns
+    there, fp8 encoding included, while the caller writes the previous ones); yields its result, in order.
+    workers: helper threads (more than one where the transform is CPU work: torch ops release the GIL)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-read")
     pending: deque[tuple[LedgerEntry, Future]] = deque()
     nxt, inflight = 0, 0
     try:
         while nxt < len(entries) or pending:
             while nxt < len(entries) and (not pending or inflight + entries[nxt].bytes <= PREFETCH_BYTES):
                 e = entries[nxt]
-                pending.append((e, pool.submit(load_shard, capture_dir, e, provenance)))
+                pending.append((e, pool.submit(_load, capture_dir, e, provenance, transform)))
                 inflight += e.bytes
                 nxt += 1
             e, fut = pending.popleft()
