@@ -97,8 +97,9 @@ class ProgressReporter:
     """A Prefect progress artifact for the run (validated share of the extraction) and a markdown artifact
     with each phase's count and rate, both updated from the loop's progress (throttled)."""
 
-    def __init__(self, extraction_id: str, *, every_s: float = 2.0) -> None:
+    def __init__(self, extraction_id: str, *, every_s: float = 2.0, rates_every_s: float = 15.0) -> None:
         self.extraction_id, self.every_s, self._last = extraction_id, every_s, 0.0
+        self.rates_every_s, self._last_rates = rates_every_s, 0.0  # each markdown update is a new version
         self._lock = threading.Lock()
         self.id: UUID | None = None
 
@@ -118,8 +119,10 @@ class ProgressReporter:
                                                                f"(extraction {self.extraction_id})")
             else:
                 update_progress_artifact(self.id, share)
-            create_markdown_artifact(_rates_text(p), key=artifact_key(self.extraction_id, "rates"),
-                                     description="extraction phases: counts and rates so far")
+            if final or now - self._last_rates >= self.rates_every_s:
+                self._last_rates = now
+                create_markdown_artifact(_rates_text(p), key=artifact_key(self.extraction_id, "rates"),
+                                         description="extraction phases: counts and rates so far")
 
 
 # ------------------------------------------------------------------------------ report
