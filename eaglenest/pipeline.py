@@ -10,7 +10,9 @@ stage produces (the store URL, the target, the drafter folder) is derived here, 
 config + store fingerprint + target hash, checkpoint weights, bench config + drafter weights) and its
 output; a stage is skipped only when its key is unchanged AND its output still validates (the store
 opens, the checkpoint and export files exist with the recorded hashes, the report is there). Anything
-else runs the stage again, and the stages resume their own partial work (ledger, checkpoints).
+else runs the stage again, and the stages resume their own partial work (ledger, checkpoints). Stages hand
+each other typed outputs (:class:`ExtractOutput` ... :class:`BenchOutput`), and the pipeline's result is a
+:class:`PipelineSummary`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from eaglenest import contract
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.extraction.config import ExtractParams
-from eaglenest.spec.bench import BenchConfig
-from eaglenest.wheels import sha256_file
+from eaglenest.packaged_data import sha256_file
+from eaglenest.speculative.bench import BenchConfig
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
 STAGES: tuple[Stage, ...] = ("extract", "convert", "train", "export", "bench")
@@ -156,11 +158,11 @@ def ledger_key(extraction_dir: Path, store_url: str, target_file_mb: int) -> str
 def train_key(config: TrainConfig) -> str:
     """What the drafter is computed from: the config (minus pacing fields), the store's content, the target."""
     from eaglenest import models as model_lib
-    from eaglenest.drafter.data import open_store
     from eaglenest.drafter.train import store_fingerprint
+    from eaglenest.store import open_samples
 
     view = {k: v for k, v in config.drift_view().items() if k not in RESUME_MUTABLE}
-    return digest({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_store(config.store)),
+    return digest({"config": view, "out_dir": config.out_dir, "store": store_fingerprint(open_samples(config.store)),
                  "target": model_lib.model_fingerprint(model_lib.resolve_model(config.target))["model_hash"]})
 
 
@@ -175,6 +177,84 @@ def bench_key(config: BenchConfig) -> str:
     weights = Path(config.draft) / "model.safetensors"
     return digest({"config": config.model_dump(mode="json"),
                  "draft": sha256_file(weights) if weights.is_file() else None})
+
+
+# ------------------------------------------------------------------------------ stage outputs
+class StageOutput(BaseModel):
+    """What one stage hands to the next and records in the book. ``skipped`` and ``seconds`` describe this
+    flow run (an output reused from the book, how long the stage took) and are not recorded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    skipped: bool = False
+    seconds: float | None = None
+
+    def recorded(self) -> dict:
+        return self.model_dump(mode="json", exclude={"skipped", "seconds"})
+
+
+class ExtractOutput(StageOutput):
+    dir: str
+    done: int
+    tokens: int | None = None
+    run: dict[str, Any] | None = None
+    """The extraction run's counters (requests, retries, tok/s ...), as its report gives them."""
+
+
+class ConvertOutput(StageOutput):
+    url: str
+    samples: int
+    version: str
+    tokens: int | None = None
+    bytes: int | None = None
+
+
+class TrainOutput(StageOutput):
+    run_dir: str
+    status: str
+    step: int
+    train_tokens: int | None = None
+    tokens_per_s: float | None = None
+    accept_length: dict[str, float] | None = None
+    """Held-out accept length per draft depth (depth as a string, as in result.json)."""
+    loss_curve: str | None = None
+    checkpoint_sha256: str | None = None
+
+
+class ExportOutput(StageOutput):
+    dirs: dict[str, str]
+    files: dict[str, str]
+    """Exported folder -> sha256 of its model.safetensors."""
+
+
+class BenchOutput(StageOutput):
+    output_dir: str
+    speedups: dict[int, float]
+    """EAGLE3 tok/s / baseline tok/s per concurrency."""
+    accept_length: Any = None
+    gate: Any = None
+
+
+OUTPUTS: dict[Stage, type[StageOutput]] = {"extract": ExtractOutput, "convert": ConvertOutput, "train": TrainOutput,
+                                           "export": ExportOutput, "bench": BenchOutput}
+
+
+class PipelineSummary(BaseModel):
+    """The pipeline's result (``pipeline.json``): every stage that ran, in order."""
+
+    run_dir: str
+    extraction_id: str
+    parts: list[str] | None = None
+    extract: ExtractOutput | dict[str, Any] | None = None
+    """A fan-out's extract entry is its parts' timing and run ids, not one extraction."""
+    convert: ConvertOutput | None = None
+    train: TrainOutput | None = None
+    export: ExportOutput | None = None
+    bench: BenchOutput | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready, without the stages that did not run."""
+        return {k: v for k, v in self.model_dump(mode="json").items() if v is not None}
 
 
 # ------------------------------------------------------------------------------ the stage book
@@ -193,37 +273,41 @@ class StageBook:
             return {}  # unreadable book: every stage runs again (and resumes its own work)
         return data if isinstance(data, dict) else {}
 
-    def done(self, stage: Stage, key: str) -> dict | None:
+    def done(self, stage: Stage, key: str) -> StageOutput | None:
         """The recorded output of ``stage`` when it was computed for ``key`` and still validates."""
         rec = self.read().get(stage)
         if not rec or rec.get("key") != key:
             return None
-        return rec if output_valid(stage, rec.get("output") or {}) else None
+        try:
+            out = OUTPUTS[stage].model_validate(rec.get("output") or {})
+        except ValueError:  # recorded in another shape: run the stage again
+            return None
+        return out if output_valid(out) else None
 
-    def record(self, stage: Stage, key: str, output: dict) -> None:
+    def record(self, stage: Stage, key: str, output: StageOutput) -> None:
         book = self.read()
-        book[stage] = {"key": key, "output": output, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        book[stage] = {"key": key, "output": output.recorded(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         contract.atomic_write_bytes(self.path, json.dumps(book, indent=1, sort_keys=True, default=str).encode())
 
 
-def output_valid(stage: Stage, out: dict) -> bool:
+def output_valid(out: StageOutput) -> bool:
     """Does a recorded stage output still exist and check out? Cheap checks, no full re-verification."""
     try:
-        if stage == "extract":
-            rep = json.loads((Path(out["dir"]) / "report.json").read_text())
-            return bool(rep.get("complete")) and not rep.get("pending") and rep.get("done") == out.get("done")
-        if stage == "convert":
+        if isinstance(out, ExtractOutput):
+            rep = json.loads((Path(out.dir) / "report.json").read_text())
+            return bool(rep.get("complete")) and not rep.get("pending") and rep.get("done") == out.done
+        if isinstance(out, ConvertOutput):
             from eaglenest.store import open_store
 
-            return len(open_store(out["url"])) == out["samples"]
-        if stage == "train":
-            return (Path(out["run_dir"]) / "result.json").is_file() and \
-                latest_checkpoint_sha(out["run_dir"]) == out["checkpoint_sha256"]
-        if stage == "export":
-            return all(sha256_file(Path(d) / "model.safetensors") == sha for d, sha in out["files"].items())
-        if stage == "bench":
-            return (Path(out["output_dir"]) / "report.json").is_file()
+            return len(open_store(out.url)) == out.samples
+        if isinstance(out, TrainOutput):
+            return (Path(out.run_dir) / "result.json").is_file() and \
+                latest_checkpoint_sha(out.run_dir) == out.checkpoint_sha256
+        if isinstance(out, ExportOutput):
+            return all(sha256_file(Path(d) / "model.safetensors") == sha for d, sha in out.files.items())
+        if isinstance(out, BenchOutput):
+            return (Path(out.output_dir) / "report.json").is_file()
     except (OSError, KeyError, ValueError, TypeError, RuntimeError):  # ContractError, StoreError included
         return False
     return False

@@ -1,8 +1,8 @@
 """The ``bench`` flow: prompts -> (offline accept length) -> baseline & EAGLE3 servers at each concurrency
 -> report + artifacts -> gate.
 
-Composition only (each step is a task in ``tasks/bench.py`` over ``eaglenest.spec.bench``). The
-parameter is :class:`eaglenest.spec.bench.BenchConfig` (a form in the UI). The run ends Failed with
+Composition only (each step is a task in ``tasks/bench.py`` over ``eaglenest.speculative.bench``). The
+parameter is :class:`eaglenest.speculative.bench.BenchConfig` (a form in the UI). The run ends Failed with
 GateFailed's message when EAGLE3's speedup at ``target_concurrency`` is below ``min_speedup``; the
 report and plots are written (and published as artifacts) before the gate is judged.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from eaglenest.spec.bench import BenchConfig
+from eaglenest.speculative.bench import BenchConfig
 from tasks import bench as t
 
 

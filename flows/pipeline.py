@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,9 +28,29 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from eaglenest import pipeline as lib
+from eaglenest.cli import errors
 from eaglenest.extraction.config import ExtractParams
-from eaglenest.wheels import sha256_file
+from eaglenest.packaged_data import sha256_file
+from eaglenest.pipeline import (
+    BenchOutput,
+    ConvertOutput,
+    ExportOutput,
+    ExtractOutput,
+    PipelineParams,
+    PipelinePlan,
+    PipelineSummary,
+    Stage,
+    StageBook,
+    StageOutput,
+    TrainOutput,
+    bench_key,
+    digest,
+    extraction_key,
+    fresh_run_tag,
+    latest_checkpoint_sha,
+    ledger_key,
+    train_key,
+)
 from flows.bench import bench
 from flows.extract import extract
 from tasks.store import convert_or_cached
@@ -46,79 +67,82 @@ def _run_tag() -> str | None:
         return None
     with get_client(sync_client=True) as client:
         created = client.read_flow_run(rid).created
-    return lib.fresh_run_tag(str(rid), created)
+    return fresh_run_tag(str(rid), created)
 
 
-def _staged(book: lib.StageBook, stage: lib.Stage, key: str, log, why_skip: str, compute) -> dict:
+def _staged(book: StageBook, stage: Stage, key: str, log, why_skip: str, compute: Callable[[], StageOutput]):
     """The stage's recorded output when it was computed for ``key`` and still validates; else compute it,
-    record it under ``key`` and return it. ``skipped`` says which."""
-    if (rec := book.done(stage, key)) is not None:
+    record it under ``key`` and return it. ``skipped`` says which; ``seconds`` how long this took."""
+    t0 = time.perf_counter()
+    if (out := book.done(stage, key)) is not None:
         log.info("%s: skipped (%s)", stage, why_skip)
-        return {**rec["output"], "skipped": True}
-    out = compute()
-    book.record(stage, key, out)
-    return {**out, "skipped": False}
+        skipped = True
+    else:
+        out, skipped = compute(), False
+        book.record(stage, key, out)
+    return out.model_copy(update={"skipped": skipped, "seconds": round(time.perf_counter() - t0, 1)})
 
 
-def _extract_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    def compute() -> dict:
+def _extract_stage(plan: PipelinePlan, book: StageBook, log) -> ExtractOutput:
+    def compute() -> ExtractOutput:
         rep = extract(plan.extract)
-        return {"dir": rep["dir"], "done": rep["done"], "tokens": rep.get("tokens_done"), "run": rep.get("run")}
+        return ExtractOutput(dir=rep["dir"], done=rep["done"], tokens=rep["tokens_done"], run=rep["run"])
 
-    return _staged(book, "extract", lib.extraction_key(plan), log,
+    return _staged(book, "extract", extraction_key(plan), log,
                    f"extraction {plan.extract.resolved_extraction_id()} is complete", compute)
 
 
-def _convert_stage(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log) -> dict:
-    def compute() -> dict:
+def _convert_stage(plan: PipelinePlan, extraction_dirs: list[str], book: StageBook, log) -> ConvertOutput:
+    def compute() -> ConvertOutput:
         summary: dict = {}
         for i, d in enumerate(extraction_dirs):  # parts of a fan-out are appended into one version each
             summary = convert_or_cached(d, plan.store_url, plan.store_target_file_mb << 20, append=i > 0)
-        return {"url": plan.store_url, "samples": summary["samples"], "version": summary["version"],
-                "tokens": summary.get("tokens"), "bytes": summary.get("store_bytes")}
+        return ConvertOutput(url=plan.store_url, samples=summary["samples"], version=summary["version"],
+                             tokens=summary["tokens"], bytes=summary["store_bytes"])
 
-    key = lib.digest([lib.ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
+    key = digest([ledger_key(Path(d), plan.store_url, plan.store_target_file_mb) for d in extraction_dirs])
     return _staged(book, "convert", key, log, f"store {plan.store_url} holds the same samples", compute)
 
 
-def _train_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    def compute() -> dict:
+def _train_stage(plan: PipelinePlan, book: StageBook, log) -> TrainOutput:
+    def compute() -> TrainOutput:
         result = train_or_cached(plan.train)
         png = training_report(plan.train.out_dir, result)
-        return {"run_dir": plan.train.out_dir, "status": result["status"], "step": result["step"],
-                "train_tokens": result.get("train_tokens"), "tokens_per_s": result.get("tokens_per_s"),
-                "accept_length": (result.get("eval") or {}).get("accept_length"), "loss_curve": png,
-                "checkpoint_sha256": lib.latest_checkpoint_sha(plan.train.out_dir)}
+        evaluation = result["eval"] or {}
+        return TrainOutput(run_dir=plan.train.out_dir, status=result["status"], step=result["step"],
+                           train_tokens=result["train_tokens"], tokens_per_s=result["tokens_per_s"],
+                           accept_length=evaluation.get("accept_length"), loss_curve=png,
+                           checkpoint_sha256=latest_checkpoint_sha(plan.train.out_dir))
 
-    return _staged(book, "train", lib.train_key(plan.train), log,
+    return _staged(book, "train", train_key(plan.train), log,
                    f"{plan.train.out_dir} already trained on this store", compute)
 
 
-def _export_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    def compute() -> dict:
+def _export_stage(plan: PipelinePlan, book: StageBook, log) -> ExportOutput:
+    def compute() -> ExportOutput:
         files = {}
         for fmt, d in plan.export_dirs.items():
             folder = export_or_cached(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.num_steps)
             files[folder] = sha256_file(Path(folder) / "model.safetensors")
-        return {"dirs": plan.export_dirs, "files": files}
+        return ExportOutput(dirs=plan.export_dirs, files=files)
 
-    key = lib.digest({"ckpt": lib.latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
+    key = digest({"ckpt": latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
                       "dtype": plan.export_dtype, "steps": plan.bench.num_steps})
     return _staged(book, "export", key, log, f"{', '.join(plan.export_dirs.values())} up to date", compute)
 
 
-def _bench_stage(plan: lib.PipelinePlan, book: lib.StageBook, log) -> dict:
-    def compute() -> dict:
+def _bench_stage(plan: PipelinePlan, book: StageBook, log) -> BenchOutput:
+    def compute() -> BenchOutput:
         res = bench(plan.bench)  # raises GateFailed (run Failed) after writing the report when the gate fails
-        return {"output_dir": plan.bench.output_dir, "speedups": res["speedups"],
-                "accept_length": res["accept_length"], "gate": res["gate"]}
+        return BenchOutput(output_dir=plan.bench.output_dir, speedups=res["speedups"],
+                           accept_length=res["accept_length"], gate=res["gate"])
 
-    return _staged(book, "bench", lib.bench_key(plan.bench), log,
+    return _staged(book, "bench", bench_key(plan.bench), log,
                    f"report for this drafter and config in {plan.bench.output_dir}", compute)
 
 
-def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: lib.StageBook, log,
-                      summary: dict) -> dict:
+def _after_extraction(plan: PipelinePlan, extraction_dirs: list[str], book: StageBook, log,
+                      summary: PipelineSummary) -> dict:
     steps = [("convert", lambda: _convert_stage(plan, extraction_dirs, book, log)),
              ("train", lambda: _train_stage(plan, book, log)),
              ("export", lambda: _export_stage(plan, book, log)),
@@ -126,31 +150,29 @@ def _after_extraction(plan: lib.PipelinePlan, extraction_dirs: list[str], book: 
     for name, run in steps:
         if name not in plan.stages:
             break
-        t0 = time.perf_counter()
-        summary[name] = run()
-        summary[name]["seconds"] = round(time.perf_counter() - t0, 1)
-    (plan.run_dir / "pipeline.json").write_text(json.dumps(summary, indent=1, default=str))
-    return summary
+        setattr(summary, name, run())
+    result = summary.to_json()
+    (plan.run_dir / "pipeline.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 @flow(name="pipeline", validate_parameters=True, log_prints=True)
-def pipeline(params: lib.PipelineParams = lib.PipelineParams()) -> dict:
+def pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """extract -> convert -> train -> export -> bench; stages already done for the same inputs are skipped."""
     log = get_run_logger()
     plan = params.plan(_run_tag() if params.fresh_extraction_id else None)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    book = lib.StageBook(plan.run_dir)
-    t0 = time.perf_counter()
-    summary: dict = {"run_dir": str(plan.run_dir), "extraction_id": plan.extract.resolved_extraction_id()}
-    summary["extract"] = _extract_stage(plan, book, log)
-    summary["extract"]["seconds"] = round(time.perf_counter() - t0, 1)
-    return _after_extraction(plan, [summary["extract"]["dir"]], book, log, summary)
+    book = StageBook(plan.run_dir)
+    extracted = _extract_stage(plan, book, log)
+    summary = PipelineSummary(run_dir=str(plan.run_dir), extraction_id=plan.extract.resolved_extraction_id(),
+                              extract=extracted)
+    return _after_extraction(plan, [extracted.dir], book, log, summary)
 
 
 class FanoutParams(BaseModel):
     """The pipeline with its extraction split over several nodes (each runs the ``extract`` deployment)."""
 
-    pipeline: lib.PipelineParams = Field(default_factory=lib.PipelineParams, description=(
+    pipeline: PipelineParams = Field(default_factory=PipelineParams, description=(
         "The pipeline; extract.output_dir must be a folder every node and this flow can read (shared mount)."))
     nodes: int = Field(2, ge=1, le=256, description="Parts of the extraction, one extract run per part.")
     extract_deployment: str = Field("extract/gpu-process", description=(
@@ -166,7 +188,7 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
     log = get_run_logger()
     plan = params.pipeline.plan(_run_tag() if params.pipeline.fresh_extraction_id else None)
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    book = lib.StageBook(plan.run_dir)
+    book = StageBook(plan.run_dir)
     base = plan.extract.resolved_extraction_id()
     parts = [ExtractParams.model_validate({**plan.extract.model_dump(), "partition_index": i,
                                            "partition_count": params.nodes,
@@ -187,8 +209,8 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
         raise RuntimeError(f"extraction parts did not complete: {failed} (part, state); retry this run to resume "
                            "them (each part resumes its own ledger)")
     dirs = [str(Path(p.output_path).expanduser().resolve() / p.resolved_extraction_id()) for p in parts]
-    summary: dict = {"run_dir": str(plan.run_dir), "extraction_id": base, "parts": dirs,
-                     "extract": {"seconds": round(time.perf_counter() - t0, 1), "runs": [str(r.id) for r in runs]}}
+    fanned_out = {"seconds": round(time.perf_counter() - t0, 1), "runs": [str(r.id) for r in runs]}
+    summary = PipelineSummary(run_dir=str(plan.run_dir), extraction_id=base, parts=dirs, extract=fanned_out)
     log.info("all %d parts complete; converting into %s", params.nodes, plan.store_url)
     return _after_extraction(plan, dirs, book, log, summary)
 
@@ -197,13 +219,13 @@ def pipeline_fanout(params: FanoutParams = FanoutParams()) -> dict:
 DEMO_PROMPTS = 40
 
 
-def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> lib.PipelineParams:
+def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> PipelineParams:
     """The whole pipeline on the embedded default (SmolLM2-135M-Instruct, real ShareGPT) sized for 2 CPU cores.
 
     The data is the default recipe (the target answers the prompts itself) at its small size: first turns
     only, answers of at most 96 tokens (a longer answer is cut and its sample skipped), 384 tokens a sample:
     the CPU decodes one answer at a time at a few dozen tokens per second."""
-    return lib.PipelineParams.model_validate({
+    return PipelineParams.model_validate({
         "run_dir": out,
         "extract": {"recipe": "regenerate", "source": "sharegpt", "limit": prompts, "max_turns": 1,
                     "max_tokens": 384, "regeneration": {"max_new_tokens": 96}, "batch_size": 16,
@@ -217,21 +239,37 @@ def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> lib.Pipe
     })
 
 
-def _headline(summary: dict) -> str:
-    ex, st, tr, be = (summary.get(k) or {} for k in ("extract", "convert", "train", "bench"))
-    acc = (tr.get("accept_length") or {})
+def _headline(summary: PipelineSummary) -> str:
+    def took(stage: StageOutput) -> str:
+        return "skipped: done before" if stage.skipped else f"{stage.seconds} s"
 
-    def took(stage: dict) -> str:
-        return "skipped: done before" if stage.get("skipped") else f"{stage.get('seconds')} s"
-
-    lines = [f"run folder:  {summary['run_dir']}",
-             f"extraction:  {ex.get('dir')} ({ex.get('done')} samples, {took(ex)})",
-             f"store:       {st.get('url')} (version {st.get('version')}, {st.get('samples')} samples, {took(st)})",
-             f"drafter:     {summary.get('export', {}).get('dirs')} (trained {tr.get('step')} steps, "
-             f"{took(tr)}; held-out accept length {acc})",
-             f"bench:       {be.get('output_dir')}/report.md  speedups {be.get('speedups')}  "
-             f"accept length {be.get('accept_length')}"]
+    lines = [f"run folder:  {summary.run_dir}"]
+    if isinstance(ex := summary.extract, ExtractOutput):
+        lines.append(f"extraction:  {ex.dir} ({ex.done} samples, {took(ex)})")
+    if st := summary.convert:
+        lines.append(f"store:       {st.url} (version {st.version}, {st.samples} samples, {took(st)})")
+    if tr := summary.train:
+        drafter = summary.export.dirs if summary.export else None
+        lines.append(f"drafter:     {drafter} (trained {tr.step} steps, {took(tr)}; held-out accept length "
+                     f"{tr.accept_length or {}})")
+    if be := summary.bench:
+        lines.append(f"bench:       {be.output_dir}/report.md  speedups {be.speedups}  "
+                     f"accept length {be.accept_length}")
     return "\n".join(lines)
+
+
+def _params(a: argparse.Namespace) -> PipelineParams:
+    """``--params``: inline JSON, or a JSON file; neither given (and no --demo) is a usage error too."""
+    if not a.params:
+        raise errors.UsageError("give --demo or --params FILE")
+    text = a.params.strip()
+    if not text.startswith("{"):
+        path = Path(a.params)
+        if not path.is_file():
+            raise errors.UsageError(f"--params {a.params}: no such file (give a PipelineParams JSON file, or the "
+                                    "JSON itself)")
+        text = path.read_text()
+    return PipelineParams.model_validate_json(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,18 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/demo", help="run folder for --demo")
     ap.add_argument("--prompts", type=int, default=DEMO_PROMPTS, help="ShareGPT prompts for --demo")
     ap.add_argument("--params", help="PipelineParams as JSON (a file path or the JSON itself)")
+    ap.add_argument("--debug", action="store_true", help="print the traceback of any error")
     a = ap.parse_args(argv)
-    if a.params:
-        text = Path(a.params).read_text() if Path(a.params).is_file() else a.params
-        params = lib.PipelineParams.model_validate_json(text)
-    elif a.demo:
-        params = demo_params(a.out, a.prompts)
-    else:
-        ap.error("give --demo or --params")
-    t0 = time.perf_counter()
-    summary = pipeline(params)
+    try:
+        t0 = time.perf_counter()
+        summary = pipeline(_params(a) if a.params or not a.demo else demo_params(a.out, a.prompts))
+    except Exception as e:
+        code = errors.report(e, debug=errors.debug_requested(["--debug"] if a.debug else []), prog="flows.pipeline")
+        if code is None:
+            raise
+        return code
     print("\n== eaglenest pipeline done in %.0f s" % (time.perf_counter() - t0))
-    print(_headline(summary))
+    print(_headline(PipelineSummary.model_validate(summary)))
     return 0
 
 

@@ -17,12 +17,10 @@ import os
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from eaglenest.engines.embedded import EmbeddedEngine, ServerSettings
+from eaglenest.engines.loadgen import send_all
 from eaglenest.engines.runtime import TargetRunner
 from eaglenest.engines.serving import BackgroundServer
 from eaglenest.models import resolve_model
@@ -40,21 +38,6 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
         start = rng.randint(0, len(ids) - length - 1)
         prompts.append(ids[start : start + length])
     return sorted(prompts, key=len)
-
-
-async def send_all(url: str, prompts: list[list[int]], concurrency: int, tag: str) -> float:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
-
-        async def one(i: int, p: list[int]) -> None:
-            async with sem:
-                r = await client.post(f"{url}/generate", json={
-                    "input_ids": p, "rid": f"{tag}-{i}", "sampling_params": {"max_new_tokens": 0}})
-                r.raise_for_status()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return time.perf_counter() - t0
 
 
 def main() -> None:

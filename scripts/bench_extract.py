@@ -27,29 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
-from eaglenest.engines.launcher import ServerProcess, embedded_command, launched
-from eaglenest.engines.serving import free_port
+from eaglenest.engines.loadgen import send_all
+from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
 from eaglenest.extraction.config import ExtractParams
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction, prepare
-
-
-async def send_all(url: str, prompts: list[list[int]], concurrency: int, tag: str) -> float:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=3600) as client:
-
-        async def one(i: int, ids: list[int]) -> None:
-            async with sem:
-                r = await client.post(f"{url}/generate", json={
-                    "input_ids": ids, "rid": f"{tag}-{i}", "sampling_params": {"max_new_tokens": 0}})
-                r.raise_for_status()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(sorted(prompts, key=len, reverse=True))))
-        return time.perf_counter() - t0
 
 
 def reset(ext_dir: Path) -> None:
@@ -80,12 +63,11 @@ def main() -> None:
                            dtype=a.dtype, batch_size=a.batch_size, concurrency=a.concurrency,
                            output_dir=str(work), extraction_id="bench")
     ext = open_extraction(params)
-    prompts = [s.input_ids.tolist() for s in prepare(ext).samples]
+    prompts = sorted((s.input_ids.tolist() for s in prepare(ext).samples), key=len, reverse=True)  # longest first
     tokens = sum(map(len, prompts))
     port = free_port()
-    server = ServerProcess(cmd=embedded_command(model=str(ext.model_dir), port=port, capture_dir=str(ext.capture_dir),
-                                                dtype=a.dtype), url=f"http://127.0.0.1:{port}",
-                           log_path=work / "server.log")
+    server = local_server(embedded_command(model=str(ext.model_dir), port=port, capture_dir=str(ext.capture_dir),
+                                           dtype=a.dtype), port=port, log_path=work / "server.log")
     best = {"raw prefill": float("inf"), "raw capture": float("inf"), "end to end": float("inf")}
     e2e_tokens = 0
     try:

@@ -10,7 +10,7 @@ policy and by EAGLE-3 under each (policy, shape), in turn. Prints per variant to
 outputs differing from plain greedy, then the speedup of the best EAGLE-3 variant over the best
 plain policy. Writes the JSON (command line, commit, machine, date, result) to ``--json-out``
 (default results/cpu_spec_<UTC time>.json). ``--save-shape`` makes the fastest measured shape the
-embedded decoder's default (eaglenest/spec/cpu_shape.json). Load from other processes slows every
+embedded decoder's default (eaglenest/speculative/cpu_shape.json). Load from other processes slows every
 variant alike but adds noise: measure on a quiet machine.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.spec.cpu_bench import (
+from eaglenest.speculative.cpu_bench import (
     PLAIN_POLICIES,
     SPEC_POLICIES,
     default_json_path,
@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     ap.add_argument("--shapes", default="", help="speculation shapes, e.g. chain3,tree4x4n12 (default: the "
-                    "measured best in eaglenest/spec/cpu_shape.json)")
+                    "measured best in eaglenest/speculative/cpu_shape.json)")
     ap.add_argument("--save-shape", action="store_true", help="make the fastest shape measured the default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)

@@ -36,7 +36,7 @@ import torch
 
 from eaglenest.extraction.ledger import Ledger
 from eaglenest.store import StoreDataset, convert, open_store
-from eaglenest.store.testing import add_samples, fake_provenance, fake_shard
+from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard
 
 
 def rss_anon_mb() -> float:

@@ -45,10 +45,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
-from eaglenest.engines.launcher import LaunchError, ServerProcess
-from eaglenest.spec.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.spec.live import ServerResult, bench_server_sets, end_recorded_servers
-from eaglenest.spec.report import gate, markdown_table, write_report
+from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
+from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
+from eaglenest.speculative.live import ServerResult, bench_server_sets
+from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
 def gpu_name() -> str:
@@ -104,12 +104,12 @@ def main() -> int:
 
     def run(label: str, cmd: list[str]) -> dict[str, ServerResult] | None:
         print(f"== {label}: {' '.join(cmd)}", flush=True)
-        server = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{a.port}", log_path=out / f"server_{label}.log")
+        server = local_server(cmd, port=a.port, log_path=out / f"server_{label}.log")
         try:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
                 requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
-                pidfile=out / "servers.jsonl",
+                pidfile=out / "servers.json",
                 progress=lambda n, lv: print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
                                              f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
                                              f"{lv.accept_length}  errors {lv.errors}", flush=True))
@@ -117,7 +117,7 @@ def main() -> int:
             print(f"{label} failed to launch: {e}", flush=True)
             return None
         finally:
-            end_recorded_servers(out / "servers.jsonl")  # bench_server_sets stopped it; this clears the record
+            end_recorded_servers(out / "servers.json")  # bench_server_sets stopped it; this clears the record
         (out / f"server_{label}.json").write_text(json.dumps({n: r.to_json() for n, r in res.items()}, indent=1))
         first = next(iter(res.values()))
         print(f"{label}: started in {first.startup_s:.0f} s", flush=True)

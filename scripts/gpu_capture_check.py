@@ -35,12 +35,12 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_p1 import bench as prefill_bench
 
 from eaglenest import contract
-from eaglenest.engines.launcher import ServerProcess, embedded_command, log_tail, probe_ready
+from eaglenest.engines.loadgen import batched_prefill as prefill_bench
+from eaglenest.engines.pool import embedded_command, launched, local_server, log_tail, probe_ready, sglang_flags
 from eaglenest.engines.sglang_launcher import build_command, capture_ready, release_work_dir
-from eaglenest.engines.sglang_probe import read_probe
+from eaglenest.testing.sglang_probe import read_probe
 
 REPORT: dict = {"phases": {}, "errors": []}
 
@@ -73,36 +73,37 @@ class Server:
         # a capture that never lands must fail the answer fast here (504), not after the 300 s default
         self.env = {**env, **({"EAGLENEST_RECEIPT_TIMEOUT_S": "60"} if capture_dir else {}), **(extra_env or {})}
         self.capture = capture_dir
-        self.proc = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", env=self.env,
-                                  log_path=Path("/tmp/gpu_check") / f"{name}.log")
+        self.proc = local_server(cmd, port=port, env=self.env, log_path=Path("/tmp/gpu_check") / f"{name}.log")
         self.ready_timeout = ready_timeout
         REPORT["phases"].setdefault(name, {})["cmd"] = " ".join(cmd)
 
     def sglang_args(self, name):
         a = self.args
-        base = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.2",
-                "--chunked-prefill-size", str(a.chunk), "--disable-cuda-graph", "--log-level", "info"]
+        from eaglenest.speculative.serve import SpecConfig
+
+        base = sglang_flags(mem_fraction_static=0.2, chunked_prefill_size=a.chunk, cuda_graph=False, log_level="info")
         if name == "eagle3":
-            base += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(a.draft),
-                     "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-                     "--speculative-num-draft-tokens", "4"]
+            base += SpecConfig(num_steps=3, topk=1).sglang_args(a.draft)
         return base + list(a.sglang_args)
 
     def __enter__(self):
         t0 = time.time()
-        self.proc.start()
         ready = (lambda url: capture_ready(url)) if self.capture else probe_ready
+        self._launched = launched(self.proc, timeout_s=self.ready_timeout, ready=ready)
         try:
-            self.proc.wait_ready(timeout_s=self.ready_timeout, ready=ready)
+            self._launched.__enter__()
         except Exception:
-            self.__exit__()
+            self._cleanup()
             raise
         REPORT["phases"][self.name]["startup_s"] = round(time.time() - t0, 1)
         say(f"{self.name}: ready after {time.time() - t0:.0f} s")
         return self
 
     def __exit__(self, *exc):
-        self.proc.stop()
+        self._launched.__exit__(None, None, None)
+        self._cleanup()
+
+    def _cleanup(self):
         release_work_dir(self.env)
         tail = log_tail(self.proc.log_path, 150)
         (OUT / f"{self.name}.log.tail").write_text(tail)

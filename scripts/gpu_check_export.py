@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,43 +53,13 @@ def random_drafter_export(target: Path, out: Path, draft_vocab: int) -> Path:
     return export_drafter(trained, out, fmt="sglang", overwrite=True)
 
 
-def serve(cmd: list[str], log_path: Path, port: int, timeout: float):
-    import httpx
-
-    log = open(log_path, "w")  # noqa: SIM115 (kept open for the server's lifetime)
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            break
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, log, round(time.time() - t0, 1)
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop(proc, log)
-    tail = "\n".join(log_path.read_text().splitlines()[-80:])
-    raise SystemExit(f"server not healthy after {time.time() - t0:.0f} s (exit {proc.returncode}); log tail:\n{tail}")
-
-
-def stop(proc, log) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
-
-
-def generate(port: int, max_new_tokens: int) -> list[dict]:
+def generate(url: str, max_new_tokens: int) -> list[dict]:
     import httpx
 
     out = []
     with httpx.Client(timeout=300) as c:
         for prompt in PROMPTS:
-            r = c.post(f"http://127.0.0.1:{port}/generate", json={
+            r = c.post(f"{url}/generate", json={
                 "text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
             r.raise_for_status()
             j = r.json()
@@ -140,22 +108,21 @@ def main() -> None:
     if args.export_only:
         print(json.dumps(summary, indent=1))
         return
+    from eaglenest.engines.pool import launched, local_server, sglang_flags
+    from eaglenest.speculative.serve import SpecConfig
+
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.target), "--host", "127.0.0.1",
-            "--port", str(args.port), "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--mem-fraction-static", "0.2", "--log-level", "info"]
-    if not args.cuda_graph:
-        base.append("--disable-cuda-graph")
-    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
-             "--speculative-num-steps", str(args.num_steps), "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", str(args.num_steps + 1)]
+            "--port", str(args.port),
+            *sglang_flags(mem_fraction_static=0.2, log_level="info", cuda_graph=args.cuda_graph)]
+    eagle = SpecConfig(num_steps=args.num_steps, topk=1).sglang_args(draft)
     phases = (["baseline"] if args.baseline else []) + ["eagle3"]
     for phase in phases:
-        cmd = base + (eagle if phase == "eagle3" else [])
-        proc, log, startup = serve(cmd, out / f"server_{phase}.log", args.port, args.timeout)
-        try:
-            summary[phase] = {"startup_s": startup, "results": generate(args.port, args.max_new_tokens)}
-        finally:
-            stop(proc, log)
+        server = local_server(base + (eagle if phase == "eagle3" else []), port=args.port,
+                              log_path=out / f"server_{phase}.log")
+        t0 = time.time()
+        with launched(server, timeout_s=args.timeout):
+            startup = round(time.time() - t0, 1)
+            summary[phase] = {"startup_s": startup, "results": generate(server.url, args.max_new_tokens)}
         print(f"---- {phase}: healthy after {startup} s", flush=True)
     ev = summary["eagle3"]["results"]
     lens = [r["meta_info"].get("spec_accept_length") for r in ev]

@@ -9,14 +9,13 @@ same flags and the same prompts (random token ids, prefill only: max_new_tokens=
 captured / ``nocapture:`` / captured rounds (the middle one measures the plugin's cost without capture).
 Every server first runs a warm-up round. P1 = mean captured tok/s / mean baseline tok/s over all rounds.
 ``--profile`` samples the main thread of the scheduler and of the HTTP process
-(``eaglenest.engines.sglang_sampler``) per round.
+(``eaglenest.testing.sglang_profiler``) per round.
 Writes DIR/p1.json and the tail of each server's log.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import random
@@ -27,17 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eaglenest.engines import sglang_sampler
-from eaglenest.engines.launcher import ServerProcess, log_tail, probe_ready
+from eaglenest.engines import ENV_PROFILE_DIR
+from eaglenest.engines.loadgen import batched_prefill as bench
+from eaglenest.engines.pool import launched, local_server, log_tail, probe_ready, sglang_flags
 from eaglenest.engines.sglang_launcher import (
     build_command,
     capture_ready,
     release_work_dir,
     write_plugin_dist_info,
 )
+from eaglenest.testing import sglang_profiler
 
 ROLES = ("sched", "http")  # sampled processes: sglang's scheduler, its HTTP process (tokenizer manager)
 
@@ -46,79 +45,55 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def bench(url: str, data: list[list[int]], tag: str, batch: int, threads: int = 8) -> dict:
-    """Prefill-only throughput: ``data`` in batched /generate requests from ``threads`` client threads;
-    tok/s and the capture bytes/s the answers' receipts report."""
-    chunks = [(data[i:i + batch], [f"{tag}-{i + j}" for j in range(len(data[i:i + batch]))])
-              for i in range(0, len(data), batch)]
-    nbytes = [0]
-
-    def send(chunk):
-        ids, rids = chunk
-        body = {"input_ids": ids, "rid": rids, "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
-        r = httpx.post(f"{url}/generate", json=body, timeout=600)
-        if r.status_code != 200:
-            raise RuntimeError(f"{tag}: HTTP {r.status_code}: {r.text[:300]}")
-        for ans in r.json():
-            nbytes[0] += (ans["meta_info"].get("capture") or {}).get("bytes", 0)
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(send, chunks))
-    wall = time.perf_counter() - t0
-    tokens = sum(len(p) for p in data)
-    return {"tag": tag, "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
-            "capture_bytes": nbytes[0], "capture_bytes_per_s": round(nbytes[0] / wall, 1)}
-
-
 def run_server(kind: str, n: int, a, data, out: Path, report: dict) -> None:
     name = f"{kind}{n}"
     cap = Path(tempfile.mkdtemp(prefix="p1cap-")) if kind == "C" else None
-    sglang_args = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
-                   "--chunked-prefill-size", str(a.chunk), "--disable-cuda-graph", "--log-level", "info",
-                   *a.sglang_args]
+    sglang_args = [*sglang_flags(mem_fraction_static=0.3, chunked_prefill_size=a.chunk, cuda_graph=False,
+                                 log_level="info"), *a.sglang_args]
     cmd, env = build_command(model_dir=a.model, capture_dir=cap, port=a.port + n, aux_layer_ids=a.aux,
                              sglang_args=sglang_args)
     profile = out / "profile" / name if a.profile else None
     work = None
     if profile:
-        env = {**env, sglang_sampler.ENV_SAMPLE_DIR: str(profile)}
+        env = {**env, ENV_PROFILE_DIR: str(profile)}
         if cap is None:  # make the (inert) plugin discoverable so the baseline's scheduler is sampled too
             work = Path(tempfile.mkdtemp(prefix="p1site-"))
             write_plugin_dist_info(work)
             env["PYTHONPATH"] = os.pathsep.join([str(work), str(Path(__file__).resolve().parents[1]),
                                                  os.environ.get("PYTHONPATH", "")])
-    proc = ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{a.port + n}", env=env,
-                         log_path=Path("/tmp/gpu_p1") / f"{name}.log")
+    proc = local_server(cmd, port=a.port + n, env=env, log_path=Path("/tmp/gpu_p1") / f"{name}.log")
     rep = report["servers"].setdefault(name, {"cmd": " ".join(cmd)})
     t0 = time.time()
-    proc.start()
     try:
-        proc.wait_ready(timeout_s=600, ready=capture_ready if cap else probe_ready)
-        rep["startup_s"] = round(time.time() - t0, 1)
-        say(f"{name}: ready after {rep['startup_s']} s")
-        bench(proc.url, data[: max(a.batch * 8, len(data) // 4)], f"warm-{name}", a.batch)
-        tags = ["cap", "nocapture:nocap", "cap"] if cap else ["base", "base"]
-        rep["rounds"] = []
-        for i, tag in enumerate(tags):
-            before = {role: sglang_sampler.snapshot(profile, role) for role in ROLES} if profile else None
-            r = bench(proc.url, data, f"{tag}-{name}-{i}", a.batch)
-            if profile:
-                time.sleep(1.5)  # let the samplers flush
-                r["profile"] = {role: sglang_sampler.summarize(before[role], sglang_sampler.snapshot(profile, role),
-                                                               top=30) for role in ROLES}
-            rep["rounds"].append(r)
-            say(f"{name} {tag}: {r['tok_per_s']} tok/s, capture {r['capture_bytes_per_s'] / 1e6:.1f} MB/s")
-            if cap:
-                for p in cap.glob("*.safetensors"):
-                    p.unlink()
+        with launched(proc, timeout_s=600, ready=capture_ready if cap else probe_ready):
+            _rounds(proc, name, cap, profile, a, data, rep, t0)
     finally:
-        proc.stop()
         release_work_dir(env)
         for d in (cap, work):
             if d:
                 shutil.rmtree(d, ignore_errors=True)
         (out / f"{name}.log.tail").write_text(log_tail(proc.log_path, 60))
+
+
+def _rounds(proc, name: str, cap: Path | None, profile: Path | None, a, data, rep: dict, t0: float) -> None:
+    """Warm up, then the measured rounds (capture, nocapture, capture; or two baseline rounds)."""
+    rep["startup_s"] = round(time.time() - t0, 1)
+    say(f"{name}: ready after {rep['startup_s']} s")
+    bench(proc.url, data[: max(a.batch * 8, len(data) // 4)], f"warm-{name}", a.batch)
+    tags = ["cap", "nocapture:nocap", "cap"] if cap else ["base", "base"]
+    rep["rounds"] = []
+    for i, tag in enumerate(tags):
+        before = {role: sglang_profiler.snapshot(profile, role) for role in ROLES} if profile else None
+        r = bench(proc.url, data, f"{tag}-{name}-{i}", a.batch)
+        if profile:
+            time.sleep(1.5)  # let the samplers flush
+            r["profile"] = {role: sglang_profiler.summarize(before[role], sglang_profiler.snapshot(profile, role),
+                                                           top=30) for role in ROLES}
+        rep["rounds"].append(r)
+        say(f"{name} {tag}: {r['tok_per_s']} tok/s, capture {r['capture_bytes_per_s'] / 1e6:.1f} MB/s")
+        if cap:
+            for p in cap.glob("*.safetensors"):
+                p.unlink()
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ device commands while the machine stays warm (WORK under /tmp survives between t
 - reference: per-layer comparison of captured shards with a transformers bf16 forward on the GPU.
 - store:     ledger -> Arrow-indexed store.   train: EAGLE-3 drafter on the GPU.   export: SGLang folder,
              packed into <= 15 MB parts under OUT (bring it back; keep it out of git).
-The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.spec), run after these.
+The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.speculative), run after these.
 
 ``--engine embedded`` dry-runs every phase on the CPU with the embedded server (tiny sizes).
 """
@@ -24,6 +24,7 @@ The live baseline-vs-EAGLE3 grid is scripts/gpu_bench_grid.py (eaglenest.spec), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,17 +35,25 @@ import sys
 import tarfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eaglenest import contract  # noqa: E402
-from eaglenest.engines.launcher import ServerProcess, embedded_command, log_tail, probe_ready  # noqa: E402
+from eaglenest.engines.pool import (  # noqa: E402
+    ServerProcess,
+    embedded_command,
+    launched,
+    local_server,
+    log_tail,
+    probe_ready,
+    sglang_flags,
+)
 from eaglenest.models import GGUF_SHA256, convert_gguf  # noqa: E402
 
-SGLANG_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
-               "--disable-cuda-graph", "--chunked-prefill-size", "8192", "--log-level", "warning"]
+SGLANG_ARGS = sglang_flags(mem_fraction_static=0.5, cuda_graph=False, chunked_prefill_size=8192, log_level="warning")
 REPORT: dict = {}
 
 
@@ -71,47 +80,27 @@ def server(a, name: str, *, capture_dir: Path | None, port: int) -> ServerProces
         cmd, env = embedded_command(model=str(model_dir(a)), port=port, capture_dir=capture_dir and str(capture_dir),
                                     dtype="bfloat16"), {}
     else:
-        cmd, env = build_command(model_dir=model_dir(a), capture_dir=capture_dir, port=port,
-                                 sglang_args=SGLANG_ARGS)
-    return ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", env=env, log_path=a.work / "logs" / f"{name}.log")
+        cmd, env = build_command(model_dir=model_dir(a), capture_dir=capture_dir, port=port, sglang_args=SGLANG_ARGS)
+    return local_server(cmd, port=port, env=env, log_path=a.work / "logs" / f"{name}.log")
 
 
-class Running:
-    """Start a server, wait until a real request succeeds, stop its process group on exit."""
+@contextlib.contextmanager
+def running(a, name: str, *, capture_dir: Path | None, port: int, while_starting=None) -> Iterator[ServerProcess]:
+    """A ready server for the phase; its process group ends, its log tail is kept, on every exit path."""
+    from eaglenest.engines.sglang_launcher import capture_ready, release_work_dir
 
-    def __init__(self, a, name: str, *, capture_dir: Path | None, port: int, while_starting=None) -> None:
-        self.a, self.name, self.proc = a, name, server(a, name, capture_dir=capture_dir, port=port)
-        self.capture = capture_dir is not None
-        self.while_starting = while_starting
-
-    def __enter__(self) -> ServerProcess:
-        from eaglenest.engines.sglang_launcher import capture_ready
-
-        t0 = time.time()
-        self.proc.start()
-        try:
-            if self.while_starting is not None:  # CPU work overlapping the server's start-up
-                self.while_starting()
-        except Exception:
-            self.__exit__()
-            raise
-        ready = capture_ready if (self.capture and self.a.engine == "sglang") else probe_ready
-        try:
-            self.proc.wait_ready(timeout_s=600, ready=ready)
-        except Exception:
-            self.__exit__()
-            raise
-        REPORT.setdefault("servers", {})[self.name] = {"startup_s": round(time.time() - t0, 1),
-                                                        "cmd": " ".join(self.proc.cmd)}
-        say(f"{self.name}: ready after {time.time() - t0:.0f} s")
-        return self.proc
-
-    def __exit__(self, *exc) -> None:
-        from eaglenest.engines.sglang_launcher import release_work_dir
-
-        self.proc.stop()
-        release_work_dir(self.proc.env)
-        (self.a.work / "logs" / f"{self.name}.tail").write_text(log_tail(self.proc.log_path, 80))
+    proc = server(a, name, capture_dir=capture_dir, port=port)
+    ready = capture_ready if (capture_dir is not None and a.engine == "sglang") else probe_ready
+    t0 = time.time()
+    try:
+        with launched(proc, timeout_s=600, ready=ready, while_starting=while_starting):
+            REPORT.setdefault("servers", {})[name] = {"startup_s": round(time.time() - t0, 1),
+                                                      "cmd": " ".join(proc.cmd)}
+            say(f"{name}: ready after {time.time() - t0:.0f} s")
+            yield proc
+    finally:
+        release_work_dir(proc.env)
+        (a.work / "logs" / f"{name}.tail").write_text(log_tail(proc.log_path, 80))
 
 
 # ------------------------------------------------------------------------------------------------ phases
@@ -172,7 +161,7 @@ def phase_capture(a) -> dict:
         prepare(ext)
         timing["prepare_s"] = round(time.time() - t, 1)
 
-    with Running(a, "capture", capture_dir=capture, port=port, while_starting=tokenize) as proc:
+    with running(a, "capture", capture_dir=capture, port=port, while_starting=tokenize) as proc:
         res.update(timing)
         t0 = time.time()
         rep = run_extraction(_params(a, proc.url))
@@ -185,7 +174,7 @@ def phase_capture(a) -> dict:
         res["p1_capture"] = _prefill_rate(subset, proc.url, "p1-", a.concurrency)
         for p in capture.glob("p1-*"):  # the P1 leg's own shards are not part of the extraction
             p.unlink()
-    with Running(a, "plain", capture_dir=None, port=port + 1) as proc:
+    with running(a, "plain", capture_dir=None, port=port + 1) as proc:
         res["p1_plain"] = _prefill_rate(subset, proc.url, "p1raw-", a.concurrency)
     raw = res["p1_plain"]["tok_s"]
     res["P1_capture_over_plain"] = round(res["p1_capture"]["tok_s"] / raw, 4)

@@ -1,11 +1,11 @@
-"""Prefect tasks for the speculative-decoding benchmark: thin shells over ``eaglenest.spec.bench``.
+"""Prefect tasks for the speculative-decoding benchmark: thin shells over ``eaglenest.speculative.bench``.
 
 - Nothing is cached: a benchmark is a measurement, and a cached number would hide a regression.
 - ``live_grid`` retries once, only for what a relaunch can fix (the server never became ready, or
   every request of a level failed); a gate miss is never retried.
 - ``publish_report`` writes report.json / report.md / PNGs and the same content as artifacts
   (a table per concurrency, the Markdown summary, and both plots as images).
-- ``check_gate`` fails the task (hence the flow) with :class:`~eaglenest.spec.report.GateFailed`
+- ``check_gate`` fails the task (hence the flow) with :class:`~eaglenest.speculative.report.GateFailed`
   whose message says the speedup, the threshold and what to do.
 """
 
@@ -19,10 +19,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eaglenest.engines.launcher import LaunchError
-from eaglenest.spec import bench as lib
-from eaglenest.spec.live import BenchError, ServerResult, end_recorded_servers
-from eaglenest.spec.report import BenchReport, GateResult, markdown_table, require_gate, write_report
+from eaglenest.engines.pool import LaunchError, end_recorded_servers
+from eaglenest.speculative import bench
+from eaglenest.speculative.live import BenchError, ServerResult
+from eaglenest.speculative.report import BenchReport, GateResult, markdown_table, require_gate, write_report
 
 
 def _retry_if_relaunch_helps(task, task_run, state) -> bool:
@@ -36,20 +36,20 @@ def _retry_if_relaunch_helps(task, task_run, state) -> bool:
 
 
 @task(name="bench-prompts", cache_policy=NO_CACHE)
-def load_prompts(cfg: lib.BenchConfig) -> lib.Prompts:
-    p = lib.prepare_prompts(cfg)
+def load_prompts(cfg: bench.BenchConfig) -> bench.Prompts:
+    p = bench.prepare_prompts(cfg)
     get_run_logger().info("prompt set %s: %d prompts (%s)", p.name, len(p.token_ids), p.source)
     return p
 
 
 @task(name="bench-offline-accept-length", cache_policy=NO_CACHE)
-def offline_accept_length(cfg: lib.BenchConfig) -> dict[str, Any] | None:
-    return lib.offline_step(cfg)
+def offline_accept_length(cfg: bench.BenchConfig) -> dict[str, Any] | None:
+    return bench.offline_step(cfg)
 
 
 @task(name="bench-live-grid", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       retry_condition_fn=_retry_if_relaunch_helps)
-def live_grid(cfg: lib.BenchConfig, prompts: lib.Prompts) -> tuple[ServerResult, ServerResult]:
+def live_grid(cfg: bench.BenchConfig, prompts: bench.Prompts) -> tuple[ServerResult, ServerResult]:
     logger = get_run_logger()
 
     def progress(name, lv) -> None:
@@ -57,20 +57,20 @@ def live_grid(cfg: lib.BenchConfig, prompts: lib.Prompts) -> tuple[ServerResult,
                     lv.output_tok_s, lv.latency_p50_s, lv.accept_length, lv.errors)
 
     try:
-        return lib.live_step(cfg, prompts, progress=progress)
+        return bench.live_step(cfg, prompts, progress=progress)
     finally:
-        end_recorded_servers(lib.pidfile(cfg))  # normally nothing is left: bench_server stops each server
+        end_recorded_servers(bench.pidfile(cfg))  # normally nothing is left: bench_server stops each server
 
 
-def teardown(cfg: lib.BenchConfig) -> int:
+def teardown(cfg: bench.BenchConfig) -> int:
     """End server process groups a crashed run left behind (flow on_failure / on_crashed hooks)."""
-    return end_recorded_servers(lib.pidfile(cfg))
+    return end_recorded_servers(bench.pidfile(cfg))
 
 
 @task(name="bench-report", cache_policy=NO_CACHE)
-def publish_report(cfg: lib.BenchConfig, prompts: lib.Prompts, baseline: ServerResult, eagle3: ServerResult,
+def publish_report(cfg: bench.BenchConfig, prompts: bench.Prompts, baseline: ServerResult, eagle3: ServerResult,
                    offline: dict[str, Any] | None) -> BenchReport:
-    report = lib.assemble(cfg, prompts, baseline, eagle3, offline)
+    report = bench.assemble(cfg, prompts, baseline, eagle3, offline)
     paths = write_report(report, cfg.output_dir)
     rows = []
     for b in report.baseline.levels:
@@ -94,7 +94,7 @@ def publish_report(cfg: lib.BenchConfig, prompts: lib.Prompts, baseline: ServerR
 
 
 @task(name="bench-gate", cache_policy=NO_CACHE)
-def check_gate(cfg: lib.BenchConfig, report: BenchReport) -> GateResult:
+def check_gate(cfg: bench.BenchConfig, report: BenchReport) -> GateResult:
     g = require_gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
     get_run_logger().info(g.message)
     return g

@@ -34,9 +34,8 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from eaglenest.engines.launcher import LaunchError
+from eaglenest.engines.pool import LaunchError, end_recorded_servers
 from eaglenest.extraction.run import Progress
-from eaglenest.servers import end_recorded_servers
 
 
 def artifact_key(extraction_id: str, what: str) -> str:

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from eaglenest.models import build_tiny_llama
+    from eaglenest.testing.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
 
@@ -46,12 +46,12 @@ def prefect_api():
         yield
 
 
-# ---------------------------------------------------------------- extraction (issue 3)
+# ---------------------------------------------------------------- extraction
 @pytest.fixture
 def capture_servers(tiny_runner):
     """Factory: ``start(capture_dir, n=1)`` -> [(url, engine)] of in-thread embedded servers sharing the
     session's tiny runner; all stopped at teardown. Set EAGLENEST_FAULTS (monkeypatch) before calling to
-    inject faults (eaglenest/engines/faults.py)."""
+    inject faults (eaglenest/testing/faults.py)."""
     import contextlib
 
     from eaglenest.engines.embedded import EmbeddedEngine
@@ -87,7 +87,8 @@ def drafter_store(tiny_runner):
 
     import torch
 
-    from eaglenest.drafter.fallback_store import MemoryStore, StoreSample
+    from eaglenest.store import StoreSample
+    from eaglenest.testing.fake_store import MemoryStore
 
     rng = random.Random(0)
     tok = tiny_runner.tokenizer
@@ -123,7 +124,7 @@ def spec_tiny(tiny_model_dir, tiny_runner, tmp_path_factory):
     """(runner fp32, untrained drafter dir, fitted drafter dir, greedy sequences (prompt + 40 new), prompt lens)."""
     from spec_support import fit_drafter, greedy_sequences, one_thread, random_prompts
 
-    from eaglenest.spec.draft import write_random_draft
+    from eaglenest.speculative.draft import write_random_draft
 
     root = tmp_path_factory.mktemp("spec")
     untrained = write_random_draft(tiny_model_dir, root / "untrained")

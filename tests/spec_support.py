@@ -30,7 +30,7 @@ def random_prompts(n: int, *, seed: int = 0, lo: int = 3, hi: int = 30, vocab: i
 
 
 def greedy_sequences(runner, prompts, new_tokens: int) -> list[list[int]]:
-    from eaglenest.spec.decoder import plain_greedy
+    from eaglenest.speculative.decoder import plain_greedy
 
     return [p + plain_greedy(runner, p, max_new_tokens=new_tokens, ignore_eos=True).output_ids for p in prompts]
 
@@ -39,7 +39,7 @@ def fit_drafter(runner, draft_dir: Path, sequences: list[list[int]], *, steps: i
     """Train the drafter in ``draft_dir`` (step-1 cross entropy on the target's greedy tokens), save in place."""
     from safetensors.torch import save_file
 
-    from eaglenest.spec.draft import load_exported_drafter
+    from eaglenest.speculative.draft import load_exported_drafter
 
     draft = load_exported_drafter(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
                                   target_aux_layer_ids=runner.aux_layer_ids)
@@ -67,7 +67,7 @@ def fit_drafter(runner, draft_dir: Path, sequences: list[list[int]], *, steps: i
 
 def level(c, tok_s, accept=None, errors=0):
     """A synthetic level result."""
-    from eaglenest.spec.live import LevelResult
+    from eaglenest.speculative.live import LevelResult
 
     return LevelResult(concurrency=c, requests=8, errors=errors, duration_s=1.0, output_tokens=int(tok_s),
                        output_tok_s=tok_s, requests_per_s=8.0, latency_mean_s=0.5, latency_p50_s=0.5,
@@ -77,8 +77,8 @@ def level(c, tok_s, accept=None, errors=0):
 
 def report(base, eagle, **kw):
     """A synthetic SGLang benchmark report (baseline levels, EAGLE3 levels)."""
-    from eaglenest.spec.live import ServerResult
-    from eaglenest.spec.report import BenchReport
+    from eaglenest.speculative.live import ServerResult
+    from eaglenest.speculative.report import BenchReport
 
     return BenchReport(engine="sglang", model="/m/SmolLM2", draft="/d", spec={"num_steps": 3, "topk": 1,
                        "num_draft_tokens": 4}, prompt_set="mt-bench", prompt_source="pkg", num_prompts=80,

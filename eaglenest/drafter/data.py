@@ -1,70 +1,26 @@
-"""Training data for the drafter: the ONE place that touches the store API.
+"""Training batches for the drafter: collation into padded batches and the resumable batch stream.
 
-Owns the adapter to ``eaglenest.store`` (``open_store``, ``LengthBucketSampler``; a stand-in with the
-same interface is used while that module is absent; a local extraction folder is also accepted as a
-store and read shard by shard), the held-out split, collation into padded
-:class:`~eaglenest.drafter.ttt.Batch` es and :class:`BatchStream`, the endless, resumable stream of
-micro-batches across epochs.
+Owns collation of store samples into padded :class:`~eaglenest.drafter.ttt.Batch` es and
+:class:`BatchStream`, the endless, resumable stream of micro-batches across epochs (over the store's
+:class:`~eaglenest.store.LengthBucketSampler`). The store opens the data (:func:`eaglenest.store.open_samples`)
+and owns the held-out split (:mod:`eaglenest.store.split`).
 
-Invariants: the held-out split depends only on sample ids (stable across runs, machines and store
-order); every rank iterates the same global stream (rank-independent sampler, world_size=1 there)
+Invariants: every rank iterates the same global stream (rank-independent sampler, world_size=1 there)
 and picks its own micro-batches, so N processes consume exactly what 1 process with N times the
 accumulation does; the stream position after a step is exactly restorable.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 
 from eaglenest import contract
-from eaglenest.drafter import fallback_store
 from eaglenest.drafter.ttt import Batch
+from eaglenest.store.sampler import LengthBucketSampler
 
-try:  # the Arrow store (eaglenest.store); the stand-in serves checkouts without it
-    from eaglenest.store import LengthBucketSampler
-    from eaglenest.store import open_store as open_arrow_store
-except ModuleNotFoundError as e:  # pragma: no cover - depends on the checkout
-    if e.name != "eaglenest.store":
-        raise
-    from eaglenest.drafter.fallback_store import LengthBucketSampler
-
-    open_arrow_store = None
-
-__all__ = ["BatchStream", "LengthBucketSampler", "collate", "held_out", "open_store", "split_indices"]
-
-
-def open_store(url: str, *, check_sha256: bool = True):
-    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place.
-
-    check_sha256: an Arrow store sha256-checks each data file on its first read (extraction folders check
-    every shard against the ledger anyway)."""
-    path = Path(str(url).removeprefix("file://"))
-    if (path / "ledger.jsonl").is_file() or open_arrow_store is None:
-        return fallback_store.open_store(path)
-    return open_arrow_store(str(url), check_sha256=check_sha256)
-
-
-def held_out(sample_id: str, fraction: float) -> bool:
-    """True for the ~``fraction`` of sample ids that form the evaluation split."""
-    h = int.from_bytes(hashlib.sha256(f"eaglenest-eval:{sample_id}".encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
-
-
-def split_indices(
-    sample_ids: Sequence[str], fraction: float, *, max_eval: int | None = None
-) -> tuple[list[int], list[int]]:
-    """(train indices, eval indices); eval capped at ``max_eval`` (the rest go back to training)."""
-    train, evals = [], []
-    for i, sid in enumerate(sample_ids):
-        (evals if held_out(sid, fraction) else train).append(i)
-    if max_eval is not None and len(evals) > max_eval:
-        train = sorted(train + evals[max_eval:])
-        evals = evals[:max_eval]
-    return train, evals
+__all__ = ["BatchStream", "collate"]
 
 
 def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype,

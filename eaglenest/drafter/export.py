@@ -107,10 +107,10 @@ def speculators_config(cfg: DrafterConfig, *, verifier: str, verifier_arch: list
 def export_drafter(src: str | Path | TrainedDrafter, out_dir: str | Path, *, fmt: Format = "sglang",
                    dtype: str = "bfloat16", speculative_tokens: int = 3, overwrite: bool = False) -> Path:
     """Write an engine-loadable folder for a trained drafter (``src``: run folder, checkpoint, or record)."""
-    trained = src if isinstance(src, TrainedDrafter) else read_trained(src)
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
+    if out_dir.exists() and not overwrite:  # before reading the run: refuse at once
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    trained = src if isinstance(src, TrainedDrafter) else read_trained(src)
     cfg, prov = trained.config, trained.provenance
     torch_dtype = getattr(torch, dtype)
     weights = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in trained.weights.items()}

@@ -38,11 +38,13 @@ from eaglenest import contract
 from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointError, CheckpointManager, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
-from eaglenest.drafter.data import BatchStream, collate, open_store, split_indices
+from eaglenest.drafter.data import BatchStream, collate
 from eaglenest.drafter.evaluate import evaluate
 from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
 from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
 from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab
+from eaglenest.store import split_indices
+from eaglenest.store.extraction import open_samples as open_store
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures as cf
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from eaglenest import contract
+from eaglenest.engines import ENV_FAULTS
+from eaglenest.engines.pool import ENV_LAUNCH_TOKEN
 from eaglenest.engines.runtime import Captured, Generation, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class ServerSettings:
 class EmbeddedEngine:
     """Scheduler + shard writer around a :class:`TargetRunner`.
 
-    ``greedy_decoder`` (opt-in, e.g. eaglenest.spec's EAGLE-3 decoder): an object with
+    ``greedy_decoder`` (opt-in, e.g. eaglenest.speculative's EAGLE-3 decoder): an object with
     ``generate_greedy(input_ids, *, max_new_tokens, ignore_eos) -> Generation`` that serves greedy
     requests which are not captured; everything else runs on the runner.
     """
@@ -362,12 +365,12 @@ def _error(e: RequestError) -> JSONResponse:
 
 
 def create_app(engine: EmbeddedEngine) -> FastAPI:
-    """The HTTP app. Set ``EAGLENEST_FAULTS`` to inject faults (tests only; see engines/faults.py)."""
-    from eaglenest.engines.faults import FaultMiddleware, Faults
-
+    """The HTTP app. Setting ``EAGLENEST_FAULTS`` opts in to fault injection (eaglenest.testing.faults)."""
     app = FastAPI(title="eaglenest embedded capture server")
-    faults = Faults.from_env()
-    if faults is not None:
+    if os.environ.get(ENV_FAULTS, "").strip():
+        from eaglenest.testing.faults import FaultMiddleware, Faults
+
+        faults = Faults.from_env()
         log.warning("fault injection on: %s", faults)
         app.add_middleware(FaultMiddleware, faults=faults)
 
@@ -387,7 +390,8 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
 
         info = {"version": __version__, "engine": "embedded", "stats": dict(engine.stats),
                 "context_length": engine.runner.context_length, "dtype": engine.runner.dtype_name,
-                "max_batch_size": engine.settings.max_batch_size}
+                "max_batch_size": engine.settings.max_batch_size,
+                "launch_token": os.environ.get(ENV_LAUNCH_TOKEN)}  # lets a launcher tell its server from a leftover
         if engine.greedy_decoder is not None and hasattr(engine.greedy_decoder, "server_info"):
             info.update(engine.greedy_decoder.server_info(engine.stats))  # speculative_* like SGLang's
         return info

@@ -6,7 +6,6 @@ otherwise.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -15,13 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from eaglenest.engines.embedded import EmbeddedEngine, ServerSettings, create_app
+from eaglenest.engines.pool import free_port
 from eaglenest.engines.runtime import TargetRunner
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_engine(

@@ -10,7 +10,7 @@ Owns the command line and environment of ``python -m sglang.launch_server`` for 
   ``sglang.srt.plugins: eaglenest_capture`` is not discoverable (eaglenest only on PYTHONPATH, not
   pip-installed) a tiny generated ``*.dist-info`` is put first on the child's PYTHONPATH;
 - :func:`serve_foreground` checks the installed sglang source first (:func:`check_compat`), starts the
-  server in its own process group (:class:`launcher.ServerProcess`), calls it ready only after a real
+  server in its own process group (:class:`pool.ServerProcess`), calls it ready only after a real
   generation succeeded and ``/get_model_info`` shows the capture block, mirrors its log, and ends the
   whole group on every exit path (log tail on failure).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from eaglenest import __version__, contract
-from eaglenest.engines.launcher import LaunchError, ServerProcess, log_tail, probe_ready
+from eaglenest.engines.pool import LaunchError, local_server, log_tail, probe_ready
 from eaglenest.engines.sglang_capture import ENV_RECEIPT_DIR, CaptureConfig
 from eaglenest.engines.sglang_compat import SUPPORTED_SGLANG_VERSIONS, SGLangCompatError, check_compat
 from eaglenest.engines.sglang_guards import REQUIRED_FLAGS, SGLangArgsError, check_user_args
@@ -86,7 +86,7 @@ def build_command(
     """argv for ``python -m sglang.launch_server`` with the capture guards, and the env enabling the plugin.
 
     ``capture_dir=None`` gives the same server without capture (for baselines). The env must be merged
-    over ``os.environ`` (``launcher.ServerProcess`` does). Creates a small temporary work folder
+    over ``os.environ`` (``pool.ServerProcess`` does). Creates a small temporary work folder
     (receipts, generated dist-info) when needed; :func:`release_work_dir` removes it after the server.
     """
     problems = check_user_args(list(sglang_args))
@@ -169,8 +169,7 @@ def serve_foreground(
                              aux_layer_ids=aux_layer_ids, sglang_args=sglang_args)
     probe_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     log_dir = Path(capture_dir).expanduser().resolve().parent if capture_dir else Path(tempfile.gettempdir())
-    server = ServerProcess(cmd=cmd, url=f"http://{probe_host}:{port}", env=env,
-                           log_path=log_dir / f"sglang-server-{port}.log")
+    server = local_server(cmd, host=probe_host, port=port, env=env, log_path=log_dir / f"sglang-server-{port}.log")
     timeout = ready_timeout_s or float(os.environ.get("EAGLENEST_SGLANG_READY_TIMEOUT_S", "900"))
     print(f"sglang {version}: {' '.join(cmd)}\nlog: {server.log_path}", file=sys.stderr, flush=True)
     stop = threading.Event()

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from eaglenest import contract
-from eaglenest.engines import sglang_sampler
+from eaglenest.engines import ENV_PROBE_DRAFT_DIR, ENV_PROFILE_DIR
 from eaglenest.engines.sglang_capture import (
     PROVENANCE_FILE,
     CaptureConfig,
@@ -58,7 +58,6 @@ log = logging.getLogger("eaglenest.sglang")
 
 PLUGIN_NAME = "eaglenest_capture"
 ENTRY_POINT = "eaglenest.engines.sglang_plugin:register"
-ENV_PROBE_DRAFT_DIR = "EAGLENEST_PROBE_DRAFT_DIR"
 T_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 T_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 T_INIT_REQ = "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state"
@@ -88,7 +87,7 @@ def register() -> None:
     global _http_config
     config = CaptureConfig.from_env()
     probe_dir = os.environ.get(ENV_PROBE_DRAFT_DIR)
-    profiling = bool(os.environ.get(sglang_sampler.ENV_SAMPLE_DIR))
+    profiling = bool(os.environ.get(ENV_PROFILE_DIR))  # opt-in diagnostics
     if config is None and not probe_dir and not profiling:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -108,9 +107,11 @@ def register() -> None:
     if profiling and multiprocessing.parent_process() is not None:  # diagnostics: a scheduler has a ModelRunner
         HookRegistry.register(T_RUNNER, _start_scheduler_sampler, HookType.AFTER)  # (the detokenizer has none)
     elif profiling:
-        sglang_sampler.maybe_start("http")
+        from eaglenest.testing import sglang_profiler
+
+        sglang_profiler.maybe_start("http")
     if probe_dir and multiprocessing.parent_process() is not None:
-        from eaglenest.engines import sglang_probe
+        from eaglenest.testing import sglang_probe
 
         sglang_probe.register(HookRegistry, HookType, probe_dir)
 
@@ -290,7 +291,9 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
 
 
 def _start_scheduler_sampler(result: Any, *args: Any, **kwargs: Any) -> None:
-    sglang_sampler.maybe_start("sched")
+    from eaglenest.testing import sglang_profiler
+
+    sglang_profiler.maybe_start("sched")
 
 
 def _after_init_new(result: Any, *args: Any, **kwargs: Any) -> None:

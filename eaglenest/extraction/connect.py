@@ -17,11 +17,12 @@ import torch
 
 from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder
+from eaglenest.engines.pool import LaunchSpec, ServerPool
+from eaglenest.engines.preflight import PreflightError, preflight
 from eaglenest.extraction.prefill import ClientConfig
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
 from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head
-from eaglenest.servers import LaunchSpec, PreflightError, ServerPool, preflight
 
 
 @dataclass
@@ -49,7 +50,7 @@ def _tp_size(args: Sequence[str]) -> int:
 
 def launch_specs(ext: Extraction) -> list[LaunchSpec]:
     """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
-    from eaglenest.engines.launcher import ServerProcess, embedded_command
+    from eaglenest.engines.pool import ServerProcess, embedded_command, local_server
 
     p = ext.params
 
@@ -58,7 +59,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             cmd = embedded_command(model=str(ext.model_dir), port=port, capture_dir=str(ext.capture_dir),
                                    aux_layer_ids=ext.aux_layer_ids, dtype=p.dtype,
                                    extra=["--max-batch-size", str(p.embedded_max_batch_size)])
-            return ServerProcess(cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=ext.path(f"logs/server-{i}.log"))
+            return local_server(cmd, port=port, log_path=ext.path(f"logs/server-{i}.log"))
         return LaunchSpec(f"embedded-{i}", make)
 
     def sglang(i: int) -> LaunchSpec:
@@ -71,8 +72,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
                 aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
-            return ServerProcess(cmd=list(cmd), url=f"http://127.0.0.1:{port}",
-                                 log_path=ext.path(f"logs/server-{i}.log"), env=dict(env or {}))
+            return local_server(cmd, port=port, log_path=ext.path(f"logs/server-{i}.log"), env=env)
         return LaunchSpec(f"sglang-{i}", make)
 
     make_spec = embedded if p.engine == "embedded" else sglang

@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 
 from eaglenest.data.samples import Sample
+from eaglenest.engines.pool import ServerPool
 from eaglenest.extraction.connect import RunContext, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
 from eaglenest.extraction.stream import Phases, RoundResult, problem, stream, validate_step
-from eaglenest.servers import ServerPool
 
 Step = Callable[..., Any]
 """``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""

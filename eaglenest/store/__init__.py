@@ -22,7 +22,7 @@ Why this Arrow layout (one record batch per sample, one row per token):
   its (offset, length), so a local read is a slice of a memory map (O(1), zero copies) and a remote read
   is ONE range request of exactly that sample's bytes, decoded with ``pyarrow.ipc.read_message``. The file
   keeps Arrow's footer, so any Arrow tool can open a data file on its own.
-- Uncompressed (FACTS: zstd IPC reads at ~500 MB/s; mapped uncompressed reads are memory speed).
+- Uncompressed: zstd IPC reads at ~500 MB/s, mapped uncompressed reads at memory speed.
 - Files of ``target_file_bytes`` bound object sizes for object stores and keep the number of files small.
 
 Samples with one ledger's content always land in the same file keys, so re-runs and appends reuse
@@ -30,6 +30,7 @@ files; versions never modify files of other versions (see :mod:`eaglenest.store.
 """
 
 from eaglenest.store.converter import DEFAULT_TARGET_FILE_BYTES, ConvertSummary, convert
+from eaglenest.store.extraction import ExtractionStore, open_samples
 from eaglenest.store.layout import (
     STORE_SCHEMA_VERSION,
     ConvertInputError,
@@ -39,7 +40,8 @@ from eaglenest.store.layout import (
     StoreNotFound,
 )
 from eaglenest.store.reader import Store, StoreSample, list_versions, open_store
-from eaglenest.store.sampler import LengthBucketSampler, StoreDataset, split_indices
+from eaglenest.store.sampler import LengthBucketSampler, StoreDataset
+from eaglenest.store.split import held_out, split_indices
 from eaglenest.store.verify import verify_store
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "STORE_SCHEMA_VERSION",
     "ConvertInputError",
     "ConvertSummary",
+    "ExtractionStore",
     "LengthBucketSampler",
     "Store",
     "StoreCorrupt",
@@ -56,7 +59,9 @@ __all__ = [
     "StoreNotFound",
     "StoreSample",
     "convert",
+    "held_out",
     "list_versions",
+    "open_samples",
     "open_store",
     "split_indices",
     "verify_store",

@@ -1,4 +1,4 @@
-"""Training-side access to a store: a torch Dataset, a resumable length-bucketing batch sampler, splits.
+"""Training-side access to a store: a torch Dataset and a resumable length-bucketing batch sampler.
 
 Owns the order in which samples reach a trainer. Invariants:
 
@@ -11,8 +11,6 @@ Owns the order in which samples reach a trainer. Invariants:
 - ``state_dict()`` records (epoch, position); after ``load_state_dict`` the next iteration yields exactly
   the batch that an uninterrupted run would have yielded next. position == len(sampler) means the epoch
   is finished (the trainer moves on with ``set_epoch(epoch + 1)``).
-- Held-out splits depend only on the sample id (a salted hash), so a sample never changes side when
-  the store grows.
 """
 
 from __future__ import annotations
@@ -51,22 +49,6 @@ class StoreDataset(torch.utils.data.Dataset):
     def lengths(self) -> np.ndarray:
         """Token count per dataset item (feed it to :class:`LengthBucketSampler`)."""
         return self.store.num_tokens[self.indices]
-
-
-def split_indices(sample_ids: Sequence[str], *, eval_fraction: float = 0.02,
-                  salt: str = "eaglenest-split/v1") -> tuple[list[int], list[int]]:
-    """(train, eval) positions: a sample is held out when hash(salt, id) falls below ``eval_fraction``.
-
-    With two or more samples and a positive fraction, the eval side holds at least the lowest-hash sample.
-    """
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    u = np.array([int.from_bytes(hashlib.sha256(f"{salt}\0{s}".encode()).digest()[:8], "big") / 2.0**64
-                  for s in sample_ids])
-    held = u < eval_fraction
-    if eval_fraction > 0 and len(u) >= 2 and not held.any():
-        held[int(np.argmin(u))] = True
-    return np.flatnonzero(~held).tolist(), np.flatnonzero(held).tolist()
 
 
 class LengthBucketSampler(torch.utils.data.Sampler[list[int]]):

@@ -1,0 +1,202 @@
+"""``eaglenest bench ...``: speculative-decoding benchmarks. Thin: parses options, calls eaglenest.speculative.
+
+Commands: ``live`` (baseline vs EAGLE3 grid + gate, embedded or SGLang), ``cpu`` (side-by-side
+decoder benchmark in one process), ``offline`` (store simulation), ``prompts`` (export a prompt set
+as token ids for a machine without network), ``plot`` (report files from a report.json), ``serve``
+(the embedded benchmark server; what ``live --engine embedded`` launches).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eaglenest.cli.options import model_command
+from eaglenest.speculative.bench import BenchConfig
+
+app = typer.Typer(no_args_is_help=True, help="Speculative-decoding benchmarks (EAGLE-3 vs plain decoding).")
+
+
+BENCH_FLAGS = {
+    "num_steps": "--steps", "num_draft_tokens": "--draft-tokens", "concurrencies": "--concurrency",
+    "output_dir": "--out", "store_url": "--store", "sglang_args": "--sglang-arg",
+    "offline_max_samples": "--max-samples",
+}
+"""Option names that differ from BenchConfig's field names (the benchmark's own vocabulary)."""
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="'default' or a local HF folder")] = "default",
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 30000,
+    dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float32")] = "auto",
+    onednn: Annotated[str, typer.Option(help="onednn | no-onednn | prefill-only | prefill+verify")] = "prefill-only",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
+    speculative_algorithm: Annotated[str | None, typer.Option(help="EAGLE3 (or unset: plain decoding)")] = None,
+    speculative_draft_model_path: Annotated[str | None, typer.Option(help="exported EAGLE-3 drafter")] = None,
+    speculative_num_steps: Annotated[int | None, typer.Option(help="draft depth (default: the measured best "
+                                                             "shape)")] = None,
+    speculative_eagle_topk: Annotated[int, typer.Option(help="1 = chain, more = EAGLE-2 tree")] = 1,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="tokens verified, root counted")] = None,
+) -> None:
+    """Embedded server for benchmarks: greedy requests decoded plainly or with EAGLE-3 (SGLang's flags)."""
+    from eaglenest.engines.serving import serve as run
+    from eaglenest.models import resolve_model
+    from eaglenest.speculative.serve import SpecConfig, build_bench_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    if (speculative_algorithm is None) != (speculative_draft_model_path is None):
+        raise typer.BadParameter("give both --speculative-algorithm EAGLE3 and --speculative-draft-model-path, "
+                                 "or neither")
+    if speculative_algorithm not in (None, "EAGLE3"):
+        raise typer.BadParameter(f"--speculative-algorithm {speculative_algorithm}: only EAGLE3 is supported")
+    spec = None if speculative_num_steps is None else SpecConfig(
+        num_steps=speculative_num_steps, topk=speculative_eagle_topk, num_draft_tokens=speculative_num_draft_tokens)
+    engine = build_bench_engine(resolve_model(model), draft_dir=speculative_draft_model_path, spec=spec, dtype=dtype,
+                                onednn=onednn)
+    shape = getattr(getattr(engine.greedy_decoder, "decoder", None), "shape", None)
+    typer.echo(f"bench server: {engine.runner.model_dir} ({engine.runner.dtype_name}) "
+               f"{f'EAGLE3 {speculative_draft_model_path} shape {shape.name}' if shape else 'plain'} "
+               f"onednn={onednn} on http://{host}:{port}", err=True)
+    run(engine, host=host, port=port)
+
+
+@app.command()
+@model_command(BenchConfig, names=BENCH_FLAGS)
+def live(params: BenchConfig) -> None:
+    """Baseline vs EAGLE3 at each concurrency; report + plots; exit 1 when the gate fails."""
+    from eaglenest.speculative import bench as B
+    from eaglenest.speculative.report import gate, write_report
+
+    cfg, out = params, Path(params.output_dir)
+    prompts = B.prepare_prompts(cfg)
+    offline = B.offline_step(cfg)
+
+    def show(name, lv):
+        typer.echo(f"{name:8s} c={lv.concurrency:<3d} {lv.output_tok_s:8.1f} tok/s  p50 {lv.latency_p50_s:.2f}s "
+                   f"accept {lv.accept_length if lv.accept_length is not None else '-'}  errors {lv.errors}", err=True)
+
+    baseline, eagle3 = B.live_step(cfg, prompts, progress=show)
+    report = B.assemble(cfg, prompts, baseline, eagle3, offline)
+    paths = write_report(report, out)
+    typer.echo((out / "report.md").read_text())
+    typer.echo(f"files: {', '.join(str(p) for p in paths.values())}")
+    g = gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
+    typer.echo(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message)
+    if not g.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def cpu(
+    draft: Annotated[str, typer.Option(help="exported EAGLE-3 drafter ('random' = untrained smoke test)")],
+    model: Annotated[str, typer.Option(help="target model")] = "default",
+    prompt_set: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt")] = "mt-bench",
+    num_prompts: Annotated[int, typer.Option(help="prompts")] = 80,
+    max_new_tokens: Annotated[int, typer.Option(help="new tokens per prompt")] = 128,
+    rounds: Annotated[int, typer.Option(help="passes over the prompts")] = 1,
+    shapes: Annotated[str, typer.Option(help="speculation shapes, e.g. chain3,tree4x4n12 (default: the measured "
+                                        "best)")] = "",
+    save_shape: Annotated[bool, typer.Option(help="make the fastest shape measured the default")] = False,
+    dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float32")] = "auto",
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
+    plain_policies: Annotated[str, typer.Option(help="oneDNN policies for plain greedy (default: "
+                                                "eaglenest.speculative.cpu_bench.PLAIN_POLICIES)")] = "",
+    spec_policies: Annotated[str, typer.Option(help="oneDNN policies for EAGLE-3 (default: SPEC_POLICIES)")] = "",
+    out: Annotated[Path | None, typer.Option(help="JSON result (default results/cpu_spec_<time>.json)")] = None,
+) -> None:
+    """Wall-clock speedup, accept length and cycle cost of a drafter vs plain greedy, side by side."""
+    import os
+    import sys
+
+    import torch
+
+    from eaglenest.speculative.cpu_bench import default_json_path, run_cpu_bench, run_record, save_measured_shape
+
+    torch.set_num_threads(threads)
+    load = os.getloadavg()
+    result = run_cpu_bench(model=model, draft=draft, prompt_set=prompt_set, num_prompts=num_prompts,
+                           max_new_tokens=max_new_tokens, shapes=[s for s in shapes.split(",") if s] or None,
+                           dtype=dtype, plain_policies=[p for p in plain_policies.split(",") if p] or None,
+                           spec_policies=[p for p in spec_policies.split(",") if p] or None, rounds=rounds,
+                           progress=lambda m: typer.echo(m, err=True))
+    record = run_record(result, argv=sys.argv, load_before=load)
+    typer.echo("\n".join(result.lines()))
+    path = out or default_json_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    typer.echo(f"wrote {path}")
+    if save_shape:
+        typer.echo(f"default shape {result.best('eagle3').shape} saved to {save_measured_shape(result, path, record)}")
+
+
+@app.command()
+@model_command(BenchConfig, names=BENCH_FLAGS,
+               only=frozenset({"model", "draft", "num_steps", "store_url", "heldout_fraction", "offline_max_samples"}))
+def offline(
+    params: BenchConfig,
+    live_check: Annotated[int, typer.Option(help="also decode this many held-out prompts live (calibration)")] = 0,
+    live_tokens: Annotated[int, typer.Option(help="new tokens per live-checked prompt")] = 64,
+) -> None:
+    """Teacher-forced accept length of a drafter on a store's held-out samples (+ live calibration)."""
+    from eaglenest.speculative.bench import model_path, offline_step
+
+    cfg = params
+    if cfg.store_url is None:
+        raise typer.BadParameter("give the store to read held-out samples from", param_hint="--store")
+    res = offline_step(cfg)
+    typer.echo(json.dumps(res, indent=1))
+    if live_check:
+        from eaglenest.engines.runtime import TargetRunner
+        from eaglenest.speculative.cpu_bench import live_accept_on_samples
+        from eaglenest.speculative.draft import draft_aux_layer_ids
+        from eaglenest.speculative.offline import calibrate
+        from eaglenest.speculative.serve import load_spec_decoder
+        from eaglenest.store import open_samples
+
+        st = open_samples(cfg.store_url)
+        by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
+        samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
+        runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(cfg.draft))
+        live = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, num_steps=cfg.num_steps), samples,
+                                      max_new_tokens=live_tokens)
+        typer.echo(f"live on {len(samples)} held-out prompts: accept length {live.accept_length:.3f} "
+                   f"({live.cycles} verify cycles, per-position {[round(x, 3) for x in live.acceptance_at]})")
+        typer.echo(json.dumps(calibrate(res["accept_length"], live.accept_length).to_json()))
+
+
+@app.command()
+def prompts(
+    out: Annotated[Path, typer.Option(help="token JSONL to write")],
+    prompt_set: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt")] = "mt-bench",
+    model: Annotated[str, typer.Option(help="target whose chat template tokenizes")] = "default",
+    limit: Annotated[int | None, typer.Option(help="first N prompts")] = None,
+) -> None:
+    """Tokenize a named prompt set (chat template) into a file that travels to the GPU machine."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.models import resolve_model
+    from eaglenest.speculative import prompts as P
+
+    ps = P.load_prompt_set(prompt_set, limit=limit)
+    ids = P.tokenize(ps, AutoTokenizer.from_pretrained(str(resolve_model(model))))
+    P.write_token_file(out, ps, ids)
+    typer.echo(f"{out}: {len(ids)} prompts of {ps.name} ({ps.source})")
+
+
+@app.command()
+def plot(report: Annotated[Path, typer.Argument(help="report.json (e.g. from scripts/gpu_bench_grid.py)")]) -> None:
+    """Write report.md and the PNG plots next to a report.json."""
+    from eaglenest.speculative.report import read_report, write_report
+
+    paths = write_report(read_report(report), report.parent)
+    typer.echo(", ".join(str(p) for p in paths.values()))

@@ -1,0 +1,85 @@
+"""Command line for the drafter: ``eaglenest train ...`` and ``eaglenest export ...``.
+
+Thin: options are generated from :class:`~eaglenest.drafter.config.TrainConfig` (or read from
+``--params FILE``; ``--set FIELD=VALUE`` sets any field too), then the library trains.
+Multi-process: ``torchrun --nproc-per-node N -m eaglenest train ...`` (DDP; gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eaglenest.cli.errors import UsageError, one_line
+from eaglenest.cli.options import model_command
+from eaglenest.drafter.config import TrainConfig
+
+app = typer.Typer(no_args_is_help=True)
+
+
+class ExportFormat(StrEnum):
+    sglang = "sglang"
+    speculators = "speculators"
+
+
+def _overrides(rest: dict) -> dict:
+    """``--set FIELD=VALUE`` (VALUE read as JSON when it parses, else as a string)."""
+    out = {}
+    for pair in rest.pop("set_") or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UsageError(f"--set expects FIELD=VALUE, got {pair!r}")
+        if key.strip() not in TrainConfig.model_fields:
+            raise UsageError(f"--set {pair}: {key.strip()!r} is not a TrainConfig field (known: "
+                             f"{', '.join(TrainConfig.model_fields)})")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+@app.command("train")
+@model_command(TrainConfig, names={"out_dir": "--out", "draft_vocab_size": "--draft-vocab"}, extra=_overrides)
+def train_command(
+    params: TrainConfig,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a TrainConfig field as FIELD=VALUE")] = None,
+) -> None:
+    """Train an EAGLE-3 drafter on a store (resumes the run in --out if it has checkpoints)."""
+    from eaglenest.drafter.train import train
+
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = train(params)
+    if rank == 0:
+        summary = {k: v for k, v in result.to_dict().items() if k != "history"}
+        typer.echo(json.dumps(summary, indent=1))
+
+
+@app.command("export")
+@one_line
+def export_command(
+    run: Annotated[Path, typer.Argument(help="run folder (its latest checkpoint) or a checkpoint folder")],
+    out: Annotated[Path, typer.Argument(help="export folder to create")],
+    format: Annotated[ExportFormat, typer.Option(help="sglang | speculators (vLLM)")] = ExportFormat.sglang,
+    dtype: Annotated[str, typer.Option(help="weight dtype")] = "bfloat16",
+    speculative_tokens: Annotated[int, typer.Option(help="speculators: proposal length")] = 3,
+    target: Annotated[str | None, typer.Option(help="check the export against this target folder")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing export")] = False,
+) -> None:
+    """Export a trained drafter for SGLang (EAGLE3) or vLLM (speculators)."""
+    from eaglenest.drafter.export import export_drafter, load_drafter
+    from eaglenest.models import resolve_model
+
+    path = export_drafter(run, out, fmt=format.value, dtype=dtype, speculative_tokens=speculative_tokens,
+                          overwrite=overwrite)
+    if target is not None:
+        load_drafter(path, target_dir=resolve_model(target))
+    typer.echo(str(path))

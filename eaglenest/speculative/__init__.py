@@ -1,0 +1,27 @@
+"""Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
+
+Modules (imports point downwards: engines, drafter -> draft, onednn, tree -> drafting -> decoder -> serve -> live
+-> report -> bench):
+
+- :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
+  :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
+- :mod:`~eaglenest.speculative.onednn`     oneDNN per decoding phase, prepacked linear weights.
+- :mod:`~eaglenest.speculative.tree`       speculation shapes (chain, EAGLE-2 tree), tree verify mask, path
+  acceptance, the measured default shape (``cpu_shape.json``).
+- :mod:`~eaglenest.speculative.drafting`   the drafter at decode time (fused weights, preallocated KV, chain
+  and tree proposals).
+- :mod:`~eaglenest.speculative.decoder`    lossless greedy speculation (chain or tree) over a transformers
+  target (:class:`SpecDecoder`, :func:`plain_greedy`, :class:`AcceptStats`).
+- :mod:`~eaglenest.speculative.cpu_bench`  side-by-side CPU benchmark (speculative vs plain, one process).
+- :mod:`~eaglenest.speculative.offline`    teacher-forced accept length from a store, and calibration.
+- :mod:`~eaglenest.speculative.serve`      the embedded server as a benchmark target (SGLang's flags and
+  meta_info), :class:`SpecConfig`.
+- :mod:`~eaglenest.speculative.live`       load generator (httpx, fixed concurrency), server launch, SGLang
+  command line.
+- :mod:`~eaglenest.speculative.prompts`    prompt sets shipped in PyPI packages (MT-bench, HumanEval, ShareGPT).
+- :mod:`~eaglenest.speculative.report`     report files, plots and the deployment gate.
+- :mod:`~eaglenest.speculative.bench`      :class:`BenchConfig` (the flow's parameters) and the steps.
+
+Conventions: accept length always counts the bonus token (tokens per target verify forward);
+SGLang's ``--speculative-num-draft-tokens`` counts the root token (chain: ``num_steps + 1``).
+"""

@@ -1,0 +1,197 @@
+"""The speculative-decoding benchmark as one validated configuration and a few composable steps.
+
+Owns :class:`BenchConfig` (pydantic: the Prefect flow's parameter form, the CLI's options and the
+record saved beside every report) and the steps the CLI, the Prefect tasks and the GPU script run:
+
+    prompts = prepare_prompts(cfg)                  # named set from a package, chat-templated ids
+    offline = offline_step(cfg)                     # store simulation on held-out samples (optional)
+    baseline, eagle3 = live_step(cfg, prompts)      # launch target twice, drive each concurrency level
+    report = assemble(cfg, prompts, baseline, eagle3, offline); write_report(report, cfg.output_dir)
+    require_gate(report, target_concurrency=cfg.target_concurrency, min_speedup=cfg.min_speedup)
+
+Servers: ``engine="sglang"`` runs ``python -m sglang.launch_server`` (baseline with CUDA graphs on
+unless disabled); ``engine="embedded"`` runs ``python -m eaglenest bench serve`` (the embedded engine
+with the EAGLE-3 decoder). Both are owned by :class:`~eaglenest.engines.pool.ServerProcess`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eaglenest.speculative.serve import SpecConfig
+
+OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
+
+
+class BenchConfig(BaseModel):
+    """Baseline vs EAGLE3 at several concurrencies, and whether the drafter may ship."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="embedded (CPU) or sglang (GPU)")
+    model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
+    draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
+    num_steps: int = Field(3, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps)")
+    topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
+    num_draft_tokens: int | None = Field(
+        None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
+    prompt_set: Literal["mt-bench", "humaneval", "sharegpt"] = Field("mt-bench", description="named prompt set")
+    prompt_file: str | None = Field(None, description="token-id JSONL from `eaglenest bench prompts` (overrides set)")
+    num_prompts: int | None = Field(32, ge=1, description="first N prompts of the set (None: all)")
+    max_prompt_tokens: int | None = Field(1024, ge=1, description="drop prompts longer than this")
+    max_new_tokens: int = Field(128, ge=1, le=8192, description="output tokens per request (greedy)")
+    ignore_eos: bool = Field(False, description="generate max_new_tokens even past EOS")
+    concurrencies: list[int] = Field([1, 4, 16, 64], min_length=1, description="requests in flight per level")
+    requests_per_level: int | None = Field(None, ge=1, description="default: max(prompts, 2 x concurrency)")
+    target_concurrency: int = Field(1, ge=1, description="the concurrency the gate judges (yours in production)")
+    min_speedup: float = Field(1.0, ge=0.0, description="fail when EAGLE3 tok/s / baseline tok/s is below this")
+    output_dir: str = Field("runs/bench", description="report.json, report.md, tok_s.png, accept_length.png")
+    port: int | None = Field(None, ge=1, le=65535, description="server port (default: a free one; sglang 30000)")
+    ready_timeout_s: float = Field(900.0, gt=0, description="launch + first real request must succeed within this")
+    request_timeout_s: float = Field(600.0, gt=0, description="per-request client timeout")
+    dtype: str = Field("auto", description="embedded: auto | bfloat16 | float32")
+    onednn_baseline: OneDNNPolicy = Field("prefill-only", description="embedded baseline's oneDNN policy")
+    onednn_eagle3: OneDNNPolicy = Field(
+        "prefill+verify", description="embedded EAGLE3 server's oneDNN policy (1-token steps run best without)")
+    threads: int | None = Field(None, ge=1, description="embedded: torch CPU threads per server (default torch's)")
+    cuda_graph: bool = Field(True, description="sglang: keep CUDA graphs on (benchmarks)")
+    attention_backend: str | None = Field("triton", description="sglang --attention-backend")
+    sampling_backend: str | None = Field("pytorch", description="sglang --sampling-backend")
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="sglang --mem-fraction-static")
+    sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments (both servers)")
+    python: str | None = Field(None, description="interpreter that runs the server (default: this one)")
+    store_url: str | None = Field(None, description="store for the offline accept length (optional)")
+    heldout_fraction: float = Field(0.05, gt=0, le=1, description="the drafter's eval_fraction (held-out split)")
+    offline_max_samples: int = Field(200, ge=1, description="the drafter's eval_max_samples (held-out cap)")
+
+    @model_validator(mode="after")
+    def _check(self) -> BenchConfig:
+        try:
+            SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+        except ValueError as e:
+            raise ValueError(f"num_steps/topk/num_draft_tokens: {e}") from None
+        if self.target_concurrency not in self.concurrencies:
+            raise ValueError(f"target_concurrency={self.target_concurrency} is not among concurrencies "
+                             f"{self.concurrencies}")
+        if any(c < 1 for c in self.concurrencies):
+            raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
+        return self
+
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prompts:
+    name: str
+    source: str
+    token_ids: list[list[int]]
+
+
+def model_path(cfg: BenchConfig) -> str:
+    if cfg.engine == "embedded":
+        from eaglenest.models import resolve_model
+
+        return str(resolve_model(cfg.model))
+    return cfg.model
+
+
+def prepare_prompts(cfg: BenchConfig) -> Prompts:
+    """The configured prompt set, chat-templated with the target's tokenizer (or a prepared token file)."""
+    from eaglenest.speculative import prompts as P
+
+    if cfg.prompt_file:
+        header, ids = P.read_token_file(cfg.prompt_file)
+        ids = [x for x in ids if cfg.max_prompt_tokens is None or len(x) <= cfg.max_prompt_tokens]
+        return Prompts(name=str(header.get("prompt_set", "file")), source=str(header.get("source", cfg.prompt_file)),
+                       token_ids=ids[: cfg.num_prompts] if cfg.num_prompts else ids)
+    from transformers import AutoTokenizer
+
+    ps = P.load_prompt_set(cfg.prompt_set, limit=cfg.num_prompts)
+    tok = AutoTokenizer.from_pretrained(model_path(cfg))
+    ids = P.tokenize(ps, tok, max_prompt_tokens=cfg.max_prompt_tokens)
+    return Prompts(name=ps.name, source=ps.source, token_ids=ids)
+
+
+def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
+    """(baseline, eagle3) launch commands for the configured engine."""
+    import sys
+
+    model = model_path(cfg)
+    py = cfg.python or sys.executable
+    if cfg.engine == "sglang":
+        from eaglenest.speculative.live import sglang_command
+
+        kw: dict[str, Any] = dict(port=port, cuda_graph=cfg.cuda_graph, attention_backend=cfg.attention_backend,
+                                  sampling_backend=cfg.sampling_backend, mem_fraction_static=cfg.mem_fraction_static,
+                                  extra=cfg.sglang_args, python=py)
+        return sglang_command(model, **kw), sglang_command(model, draft=cfg.draft, spec=cfg.spec, **kw)
+    from eaglenest.speculative.serve import bench_serve_command
+
+    base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
+                               threads=cfg.threads)
+    eagle = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3, draft=cfg.draft,
+                                spec=cfg.spec, threads=cfg.threads)
+    return [py, *base[1:]], [py, *eagle[1:]]
+
+
+def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
+    """Launch baseline then EAGLE3 (each in its own process group) and measure every level."""
+    from eaglenest.engines.pool import free_port, local_server
+    from eaglenest.speculative.live import live_grid
+
+    port = cfg.port or (30000 if cfg.engine == "sglang" else free_port())
+    base_cmd, eagle_cmd = server_commands(cfg, port)
+    logs = Path(cfg.output_dir) / "logs"
+    return live_grid(
+        local_server(base_cmd, port=port, log_path=logs / "baseline.log"),
+        local_server(eagle_cmd, port=port, log_path=logs / "eagle3.log"),
+        prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens, ignore_eos=cfg.ignore_eos,
+        requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
+        timeout_s=cfg.request_timeout_s, progress=progress, pidfile=pidfile(cfg),
+    )
+
+
+def pidfile(cfg: BenchConfig) -> Path:
+    """Where the live step records its server process groups (for teardown after a crash)."""
+    return Path(cfg.output_dir) / "servers.json"
+
+
+def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
+    """Offline accept length of the drafter on the store's held-out samples (None without a store)."""
+    if not cfg.store_url:
+        return None
+    from eaglenest.speculative.offline import load_offline_draft, offline_accept_length
+    from eaglenest.store import open_samples
+
+    store = open_samples(cfg.store_url)
+    draft, head = load_offline_draft(model_path(cfg), cfg.draft)
+    prov = getattr(store, "provenance", None)
+    res = offline_accept_length(store, draft, head, num_steps=cfg.num_steps, heldout_fraction=cfg.heldout_fraction,
+                                max_samples=cfg.offline_max_samples,
+                                aux_layer_ids=getattr(prov, "aux_layer_ids", None))
+    return res.to_json()
+
+
+def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict[str, Any] | None = None):
+    from eaglenest.speculative.report import BenchReport
+
+    report = BenchReport(
+        engine=cfg.engine, model=model_path(cfg), draft=cfg.draft,
+        spec={"num_steps": cfg.num_steps, "topk": cfg.topk, "num_draft_tokens": cfg.spec.draft_tokens},
+        prompt_set=prompts.name, prompt_source=prompts.source, num_prompts=len(prompts.token_ids),
+        max_new_tokens=cfg.max_new_tokens, baseline=baseline, eagle3=eagle3, offline=offline,
+        notes=[f"config: {cfg.model_dump_json()}"],
+    )
+    live = report.live_accept_length()
+    if offline and live:
+        from eaglenest.speculative.offline import calibrate
+
+        report = dataclasses.replace(report, calibration=calibrate(offline["accept_length"], live).to_json())
+    return report

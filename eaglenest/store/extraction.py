@@ -1,0 +1,64 @@
+"""An extraction folder read in place as a store (``capture/`` shards + ``ledger.jsonl``), for training
+straight from an extraction without converting it.
+
+:class:`ExtractionStore` has the store's reader interface (``sample_ids``, ``num_tokens``, ``loss_tokens``,
+``provenance``, ``len``, indexing to :class:`~eaglenest.store.reader.StoreSample`). The loss mask comes from
+the ledger's spans; shards are read lazily and each is checked against the ledger's sha256 when read.
+:func:`open_samples` opens either kind: an extraction folder, or an Arrow store URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eaglenest import contract
+from eaglenest.store.reader import Store, StoreSample, open_store
+
+
+class ExtractionStore:
+    """Read-only store view of ``<extraction>/capture`` + ``<extraction>/ledger.jsonl``."""
+
+    def __init__(self, extraction_dir: str | Path) -> None:
+        from eaglenest.extraction.ledger import Ledger
+
+        ledger = Ledger(extraction_dir)
+        self._entries = sorted(ledger.entries().values(), key=lambda e: e.sample_id)
+        if not self._entries:
+            raise contract.ContractError(f"{extraction_dir}: the ledger lists no validated samples")
+        self._capture = ledger.capture_dir
+        self.sample_ids = [e.sample_id for e in self._entries]
+        self.num_tokens = np.array([e.num_tokens for e in self._entries], dtype=np.int64)
+        self.loss_tokens = np.array([e.loss_tokens for e in self._entries], dtype=np.int64)
+        self.provenance = self._read(0).provenance
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _read(self, i: int) -> contract.Shard:
+        entry = self._entries[i]
+        data = (self._capture / entry.shard).read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise contract.ContractError(f"{self._capture / entry.shard}: sha256 differs from the ledger's")
+        return contract.decode_shard(data, where=str(self._capture / entry.shard))
+
+    def __getitem__(self, i: int) -> StoreSample:
+        from eaglenest.extraction.ledger import spans_to_mask
+
+        shard, entry = self._read(i), self._entries[i]
+        mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)
+        return StoreSample(shard.sample_id, shard.input_ids, mask, shard.aux_hidden, shard.final_hidden)
+
+
+def open_samples(url: str | Path, *, check_sha256: bool = True) -> Store | ExtractionStore:
+    """An Arrow store URL, or a local extraction folder (``ledger.jsonl`` + ``capture/``) read in place.
+
+    check_sha256: an Arrow store sha256-checks each data file on its first read (an extraction folder checks
+    every shard against the ledger anyway)."""
+    path = Path(str(url).removeprefix("file://"))
+    if (path / "ledger.jsonl").is_file():
+        return ExtractionStore(path)
+    return open_store(str(url), check_sha256=check_sha256)

@@ -1,0 +1,61 @@
+"""Expected user mistakes end in one line that says what and what to do, and exit code 2 (no traceback)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eaglenest.cli import main
+
+CASES = {
+    "missing source": (["extract", "--source", "{tmp}/missing.jsonl", "--model", "{model}"], "does not exist"),
+    "unknown protocol": (["extract", "--source", "foo://x.jsonl", "--model", "{model}"], "Protocol not known: foo"),
+    "missing model": (["extract", "--model", "{tmp}/no-model"], "local Hugging Face folder"),
+    "negative lr": (["train", "--store", "{tmp}/s", "--out", "{tmp}/t", "--lr", "-0.001"], "lr: Input should be"),
+    "zero epochs": (["train", "--store", "{tmp}/s", "--out", "{tmp}/t", "--epochs", "0"], "epochs: Input should be"),
+    "unknown --set field": (["train", "--store", "{tmp}/s", "--out", "{tmp}/t", "--set", "nosuch=1"],
+                            "'nosuch' is not a TrainConfig field"),
+    "missing store": (["train", "--store", "{tmp}/no-store", "--out", "{tmp}/t"], "no committed store"),
+    "export into an existing folder": (["export", "{tmp}/run", "{tmp}"], "exists; pass overwrite"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_user_mistake_is_one_line_and_exit_2(case, tiny_model_dir, tmp_path, capsys):
+    args, expected = CASES[case]
+    args = [a.format(tmp=tmp_path, model=tiny_model_dir) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("eaglenest: error:")]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_debug_keeps_the_traceback(tmp_path):
+    with pytest.raises(Exception, match="no committed store"):
+        main(["train", "--store", str(tmp_path / "no-store"), "--out", str(tmp_path / "t"), "--debug"])
+
+
+def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=240,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_store_info_on_s3_without_s3fs(tmp_path):
+    code = ("import sys; sys.modules['s3fs'] = None  # as if s3fs were not installed\n"
+            "from eaglenest.cli import main; raise SystemExit(main(['store', 'info', 's3://bucket/store']))")
+    r = _run(code, tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("eaglenest: error: Install s3fs"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_pipeline_params_file_missing(tmp_path):
+    r = _run(f"import sys; from flows.pipeline import main; sys.exit(main(['--params', "
+             f"{str(tmp_path / 'missing.json')!r}]))", tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"flows.pipeline: error: --params {tmp_path / 'missing.json'}: no such "
+                                             "file (give a PipelineParams JSON file, or the JSON itself)"]

@@ -1,0 +1,86 @@
+"""The capture writer's child process and the scheduler stack sampler (CPU; no sglang needed).
+
+The plugin glue tests in test_sglang_capture.py run through both writers; these cover what only the
+child process can do (die) and the diagnostics sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+from test_sglang_capture import EXTEND, check_shard, fake_req, forward, logits_processor, provenance, read_receipt
+
+from eaglenest.engines import sglang_plugin as plugin
+from eaglenest.engines.sglang_receipts import receipt_path
+from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter, attach
+from eaglenest.testing import sglang_profiler
+
+
+def test_process_writer_fails_requests_clearly_when_its_child_dies(tmp_path, monkeypatch):
+    writer = ProcessWriter(capture_dir=tmp_path / "capture", receipt_dir=tmp_path / "receipts",
+                           provenance=provenance())
+    runner = object()
+    runtime = plugin.CaptureRuntime(writer=writer, copier=plugin.DeviceCopier(2, shared=True), num_aux=3,
+                                    extend_mode=EXTEND, runner=runner)
+    lp = logits_processor(runtime)
+    monkeypatch.setattr(plugin, "_runtime", runtime)
+    forward(runtime, lp, runner, [fake_req("ok", 3)], [0], [3], [(0, range(3))])
+    forward(runtime, lp, runner, [fake_req("half", 6)], [0], [3], [(1, range(3))])  # chunk 1 of 2 in the child
+    deadline = time.monotonic() + 30
+    while not receipt_path(tmp_path / "receipts", "ok").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receipt_path(tmp_path / "receipts", "ok").exists()  # the child wrote the first shard
+    writer._proc.kill()  # the writer process crashes (OOM killer, bug)
+    writer._proc.wait()
+    forward(runtime, lp, runner, [fake_req("half", 6)], [3], [3], [(1, range(3, 6))])
+    forward(runtime, lp, runner, [fake_req("late", 2)], [0], [2], [(2, range(2))])
+    writer.close(timeout_s=30)  # returns: nothing waits forever on a dead child
+    check_shard(tmp_path / "capture" / "ok.safetensors", 0, 3)
+    for rid in ("half", "late"):
+        receipt = read_receipt(tmp_path, rid)
+        assert receipt["status"] == 500 and "capture writer process" in receipt["message"], receipt
+    assert not list(SHM_DIR.glob(f"eaglenest-{os.getpid()}-*"))  # the child unlinked every slot it mapped
+
+
+def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(200))
+
+    def busy_long():
+        spin(0.6)
+
+    def busy_short():
+        spin(0.2)
+
+    sampler = sglang_profiler.StackSampler(tmp_path, interval_s=0.002)
+    sampler.target = threading.get_ident()  # sample this (test) thread
+    before = sglang_profiler.snapshot(tmp_path)
+    sampler.start()
+    busy_long()
+    busy_short()
+    sampler.stop()
+    shares = dict(sglang_profiler.summarize(before, sglang_profiler.snapshot(tmp_path))["inclusive"])
+    long_share = next(v for k, v in shares.items() if k.endswith(":busy_long"))
+    short_share = next(v for k, v in shares.items() if k.endswith(":busy_short"))
+    assert 1.5 < long_share / short_share < 6  # 3:1 by time
+
+
+def test_shared_slot_grows_into_a_new_segment_and_drops_the_old_one():
+    copier = plugin.DeviceCopier(1, shared=True)
+    small = [torch.full((2, 4), float(k)) for k in range(3)]
+    aux, fin, _ready, release, (slot, first) = copier.stage(torch.ones(2, 4), small, [(0, 2)])
+    assert aux.shape == (2, 12) and fin.eq(1).all() and os.path.exists(first)
+    release()
+    big = [torch.full((5000, 4), float(k)) for k in range(3)]
+    aux, fin, _ready, release, (slot2, second) = copier.stage(torch.zeros(5000, 4), big, [(0, 5000)])
+    assert slot2 == slot and second != first and not os.path.exists(first)  # the outgrown segment is gone
+    assert aux[:, 4:8].eq(1).all() and aux[:, 8:].eq(2).all() and fin.eq(0).all()
+    mapped = attach(second)  # what the child sees, by path
+    assert mapped[: 5000 * 12].view(5000, 12).equal(aux) and not os.path.exists(second)
+    release()
+    copier.close()

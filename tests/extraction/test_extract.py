@@ -1,0 +1,253 @@
+"""Extraction end to end on in-thread embedded servers: real ShareGPT text, tiny model. Incomplete output is
+invisible, over-long prompts are skipped before sending, and a re-run of a finished extraction does no engine work."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from eaglenest.engines.preflight import PreflightError
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import ConfigChanged, open_extraction
+from tests.extract_helpers import StopAfter, assert_complete_and_exact, ledger_ids, ledger_lines, record_rids, with_
+
+
+def test_two_servers_split_one_run_then_rerun_sends_nothing(tiny_extract_params, capture_servers):
+    params = tiny_extract_params
+    ext_dir = open_extraction(params).dir
+    servers = capture_servers(ext_dir / "capture", n=2)
+    params = with_(params, server_urls=[u for u, _ in servers])
+    progress = []
+    report = run_extraction(params, on_progress=progress.append)
+    assert report["samples"] >= 15 and report["skipped_total"] + report["samples"] + report["bad_records"] >= 100
+    assert_complete_and_exact(report, ext_dir)
+    per_server = [e.stats["requests"] - 1 for _, e in servers]  # minus the readiness probe
+    assert all(n > 0 for n in per_server) and sum(per_server) == report["samples"]  # split, none doubled
+    assert report["run"]["requests"] == report["samples"] and report["run"]["tokens"] == report["tokens_done"]
+    assert progress[-1].answered == report["samples"] and progress[-1].validated == report["samples"]
+    # loss spans come from the chat template: assistant tokens only, never the prompt
+    entry = ledger_lines(ext_dir)[0]
+    assert 0 < entry["loss_tokens"] < entry["num_tokens"] and entry["loss_spans"][0][0] > 0
+    before = [e.stats["requests"] for _, e in servers]
+    again = run_extraction(params)
+    assert [e.stats["requests"] for _, e in servers] == before  # a finished extraction re-run does zero engine work
+    assert again["run"]["requests"] == 0 and again["done"] == report["done"]
+
+
+def test_interrupted_run_resumes_with_only_the_missing_work(tiny_extract_params, capture_servers):
+    params = with_(tiny_extract_params, batch_size=4, concurrency=1)  # nothing else in flight at the kill
+    ext_dir = open_extraction(params).dir
+    ((url, engine),) = capture_servers(ext_dir / "capture")
+    params = with_(params, server_urls=[url])
+
+    class Kill(BaseException):
+        pass
+
+    def kill_midway(p):
+        if p.answered >= 10:
+            raise Kill  # the client dies mid-run (SIGKILL-like: nothing after this line runs)
+
+    with pytest.raises(Kill):
+        run_extraction(params, on_progress=kill_midway)
+    in_ledger = set(ledger_ids(ext_dir))
+    shards = {p.name for p in (ext_dir / "capture").glob("*.safetensors")}
+    answered_not_validated = len(shards) - len(in_ledger)
+    assert in_ledger and answered_not_validated > 0
+    sent_before = engine.stats["requests"]
+    report = run_extraction(params)
+    assert_complete_and_exact(report, ext_dir)
+    missing = report["samples"] - len(in_ledger) - answered_not_validated
+    assert report["run"]["reused_shards"] == answered_not_validated  # validated, not requested again
+    assert report["run"]["requests"] == missing == engine.stats["requests"] - sent_before - 1
+    assert engine.stats["requests"] == report["samples"] + 2  # each sample asked for once in all (+2 probes)
+
+
+def test_stale_temporaries_and_torn_tails_are_ignored_and_cleaned(tiny_extract_params, capture_servers):
+    params = tiny_extract_params
+    ext = open_extraction(params)
+    stale = [ext.capture_dir / "x.safetensors.abc123.tmp", ext.dir / "samples.parquet.deadbeef.tmp"]
+    for p in stale:
+        p.write_bytes(b"half")
+    (ext.dir / "ledger.jsonl").write_text('{"sample_id": "torn", "sha')  # a crash mid-append
+    ((url, _),) = capture_servers(ext.capture_dir)
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert_complete_and_exact(report, ext.dir)
+    assert not any(p.exists() for p in stale)
+    assert "torn" not in ledger_ids(ext.dir)
+
+
+def test_samples_beyond_the_context_are_skipped_before_sending(tiny_extract_params, capture_servers, tmp_path):
+    from eaglenest.data import ChatEncoder, Message
+
+    enc = ChatEncoder(tiny_extract_params.model)
+    conv = [Message("user", "hello there " * 20), Message("assistant", "general kenobi " * 20)]
+    n = len(enc.encode(conv)[0])
+    rows = [{"id": "fits", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "over", "messages": [{"role": m.role, "content": m.content} for m in conv]}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    params = with_(tiny_extract_params, source=str(tmp_path / "p.jsonl"), max_tokens=n - 1, context_headroom=0)
+    ext_dir = open_extraction(params).dir
+    ((url, engine),) = capture_servers(ext_dir / "capture")
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert report["skipped"] == {"too_long": 1} and report["done"] == 1 and report["complete"]
+    assert engine.stats["requests"] == 1 + 1  # probe + the sample that fits
+    assert f"{n} tokens > limit {n - 1}" in json.loads((ext_dir / "prepare.json").read_text())["skipped"][0]["reason"]
+
+
+def test_resume_with_other_content_settings_is_refused(tiny_extract_params):
+    open_extraction(tiny_extract_params)
+    with pytest.raises(ConfigChanged, match="limit: 100 -> 10"):
+        open_extraction(with_(tiny_extract_params, limit=10))
+    open_extraction(with_(tiny_extract_params, batch_size=3, concurrency=1))  # operational knobs may change
+
+
+def test_server_with_other_aux_layers_is_refused_before_any_request(tiny_extract_params, tiny_model_dir):
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.engines.serving import BackgroundServer
+
+    ext = open_extraction(tiny_extract_params)
+    engine = EmbeddedEngine(TargetRunner(tiny_model_dir, dtype="float32", aux_layer_ids=(0, 2, 5)),
+                            capture_dir=ext.capture_dir)
+    with BackgroundServer(engine) as url:
+        with pytest.raises(PreflightError, match=r"captures aux layers \[0, 2, 5\], the run asks for \[1, 3, 4\]"):
+            run_extraction(with_(tiny_extract_params, server_urls=[url]))
+        assert engine.stats["requests"] == 1  # the readiness probe only
+    engine.close()
+
+
+def regen_source(tmp_path, n_prompts=2):
+    rows = [{"id": f"p{i}", "prompt": f"Write a poem about the number {i}."} for i in range(n_prompts)]
+    rows.append({"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                                              {"from": "human", "value": "more"}]})
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return str(tmp_path / "p.jsonl")
+
+
+def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path):
+    import httpx
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert report["complete"] and report["done"] == 3 and report["run"]["regenerated"] == 3
+    # greedy answers were spliced as generated: the target's own LM head predicts them from the capture
+    assert report["run"]["argmax_agreement"] >= 0.75
+    r = report["run"]
+    assert r["generated_tokens"] == 4 * 7  # 4 answers of 6 tokens + their end-of-turn
+    assert set(r["phases_s"]) >= {"prepare", "launch", "connect", "regenerate", "prefill", "validate"}
+    assert r["phases_s"]["regenerate"] > 0 and r["rates"]["generated_tok_per_s"] > 0
+    assert r["rates"]["prefill_tok_per_s"] > 0 and r["rates"]["validated_per_s"] > 0
+    lines = (ext.dir / "regenerated.jsonl").read_text().splitlines()
+    regen = {json.loads(x)["sample_id"]: json.loads(x) for x in lines}
+    two_turns = json.loads(regen["c"]["messages"])
+    assert [r for r, _ in two_turns] == ["user", "assistant", "user", "assistant"] and two_turns[1][1] != "old"
+    assert len(regen["c"]["loss_spans"]) == 2
+    # the answer is the target's own greedy answer to that prompt, token for token
+    from eaglenest.data import ChatEncoder, Message
+
+    prompt = ChatEncoder(ext.model_dir).prompt_ids([Message("user", "Write a poem about the number 0.")])
+    direct = httpx.post(f"{url}/generate", json={"input_ids": prompt, "rid": "nocapture:check", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0}}).json()
+    a, _ = regen["p0"]["loss_spans"][0]
+    assert regen["p0"]["input_ids"][:a] == prompt
+    assert regen["p0"]["input_ids"][a : a + 6] == direct["output_ids"][:-1]
+    assert json.loads(regen["p0"]["messages"])[-1][1] == direct["text"]
+    entries = ledger_lines(ext.dir)
+    assert all(e["regenerated"] and "argmax_agreement" in e["stats"] for e in entries)
+    sent = engine.stats["requests"]
+    assert run_extraction(with_(params, server_urls=[url]))["run"]["requests"] == 0  # nothing regenerated again
+    assert engine.stats["requests"] == sent
+    assert Counter(e["sample_id"] for e in entries).most_common(1)[0][1] == 1
+
+
+def test_answers_cut_by_max_new_tokens_are_skipped_with_their_reason(tiny_extract_params, capture_servers, tmp_path):
+    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
+                   regeneration={"enabled": True, "max_new_tokens": 4})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)  # never ends within 4 tokens
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert report["complete"] and report["done"] == 0 and report["skipped"] == {"truncated": 3}
+    assert {(p["stage"], p["kind"]) for p in report["problems"]} == {("regenerate", "truncated")}
+    again = run_extraction(with_(params, server_urls=[url]))  # the skip decisions are persisted too
+    assert again["run"]["requests"] == 0 and again["skipped"] == {"truncated": 3}
+
+
+def test_interrupted_regeneration_never_asks_for_an_answer_twice(tiny_extract_params, capture_servers, tmp_path):
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 12), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6, delay_s=0.1)  # slow enough to stop midway
+    rids = record_rids(engine)
+    params = with_(params, server_urls=[url])
+
+    class Kill(BaseException):
+        pass
+
+    def kill_midway(p):
+        if p.generated_tokens >= 5 * 7:
+            raise Kill  # the client dies mid-regeneration
+
+    with pytest.raises(Kill):
+        run_extraction(params, on_progress=kill_midway)
+    answers = (ext.dir / "answers.jsonl").read_text().splitlines()
+    assert 5 <= len(answers) < 14
+    report = run_extraction(params)
+    assert_complete_and_exact(report, ext.dir)
+    generated = [r for r in rids if r.startswith("nocapture:regen:")]
+    assert len(generated) == len(set(generated)) == 14  # 12 prompts + a 2-turn conversation, each asked once
+    captured = [r for r in rids if not r.startswith("nocapture:")]
+    assert len(captured) == len(set(captured)) == 13
+
+
+def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, monkeypatch):
+    import sys
+    import types
+
+    import eaglenest.engines
+    from eaglenest.extraction.connect import launch_specs
+
+    calls = []
+    fake = types.ModuleType("eaglenest.engines.sglang_launcher")
+
+    def build_command(**kw):
+        calls.append(kw)
+        return ["python3", "-m", "sglang.launch_server", "--port", str(kw["port"])], {"SGL_X": "1"}
+
+    fake.build_command = build_command
+    monkeypatch.setitem(sys.modules, "eaglenest.engines.sglang_launcher", fake)
+    monkeypatch.setattr(eaglenest.engines, "sglang_launcher", fake, raising=False)
+    ext = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, sglang_args=["--tp-size", "2"]))
+    procs = [spec.make(31000 + i) for i, spec in enumerate(launch_specs(ext))]
+    assert procs[1].cmd[-1] == "31001" and procs[1].url == "http://127.0.0.1:31001" and procs[0].env == {"SGL_X": "1"}
+    assert calls[0]["capture_dir"] == ext.capture_dir and calls[0]["aux_layer_ids"] == [1, 3, 4]
+    assert calls[0]["model_dir"] == ext.model_dir and calls[0]["host"] == "127.0.0.1"
+    # data parallel on one host: each server gets its own GPUs
+    assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
+    assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
+
+
+def test_resume_on_a_server_with_other_numerics_is_refused(tiny_extract_params, capture_servers, tiny_model_dir):
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.engines.serving import BackgroundServer
+
+    params = with_(tiny_extract_params, limit=20)
+    ext = open_extraction(params)
+    ((url, _),) = capture_servers(ext.capture_dir)  # float32
+    assert run_extraction(with_(params, server_urls=[url]))["done"] > 1
+    ledger = ext.dir / "ledger.jsonl"
+    ledger.write_text("".join(ledger.read_text().splitlines(keepends=True)[:-1]))  # one sample left to do
+    for shard in ext.capture_dir.iterdir():
+        shard.unlink()
+    engine = EmbeddedEngine(TargetRunner(tiny_model_dir, dtype="bfloat16"), capture_dir=ext.capture_dir)
+    with BackgroundServer(engine) as other:
+        with pytest.raises(ConfigChanged, match=r"dtype.*differ from .*provenance.json"):
+            run_extraction(with_(params, server_urls=[other]))
+        assert engine.stats["requests"] == 1  # refused before any sample was sent (the probe only)
+    engine.close()

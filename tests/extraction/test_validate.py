@@ -1,0 +1,179 @@
+"""Shard validation: every check, quarantine with the reason, bounded wait; a wrong or short capture is a
+terminal error and NaN/Inf hidden states are never accepted."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from eaglenest import contract
+from eaglenest.data import Sample
+from eaglenest.extraction.validate import Expectation, ValidateConfig, argmax_agreement, validate_batch
+
+H, AUX = 16, (1, 3, 4)
+
+
+def prov(**changes):
+    base = dict(engine="embedded", engine_version="0", model_path="/m", model_hash="mh", tokenizer_hash="th",
+                chat_template_hash="ch", dtype="bfloat16", aux_layer_ids=AUX, hidden_size=H, num_layers=8)
+    return contract.Provenance(**{**base, **changes})
+
+
+EXPECT = Expectation(aux_layer_ids=AUX, hidden_size=H, num_layers=8, model_hash="mh", tokenizer_hash="th",
+                     chat_template_hash="ch", provenance=prov())
+
+
+def sample(sid, t=6, regenerated=False):
+    return Sample(sample_id=sid, input_ids=list(range(3, 3 + t)), loss_spans=((2, t),), regenerated=regenerated)
+
+
+def shard_bytes(s, *, p=None, ids=None, scale=1.0, final=None, raw_nan=False):
+    ids = torch.tensor(s.input_ids.tolist() if ids is None else ids, dtype=torch.int32)
+    g = torch.Generator().manual_seed(len(s.sample_id))
+    t = ids.shape[0]
+    aux = (torch.randn(t, len(AUX) * H, generator=g) * scale).to(torch.bfloat16)
+    fin = (torch.randn(t, H, generator=g) if final is None else final).to(torch.bfloat16)
+    shard = contract.Shard(sample_id=s.sample_id, input_ids=ids, aux_hidden=aux, final_hidden=fin,
+                           provenance=p or prov())
+    if raw_nan:  # bypass the writer's finite check: a corrupted file on disk
+        aux[1, 2] = float("nan")
+        meta = {"schema_version": "1", "sample_id": s.sample_id, "provenance": shard.provenance.to_json()}
+        return st_save({"input_ids": ids, "aux_hidden": aux, "final_hidden": fin}, metadata=meta)
+    return contract.encode_shard(shard)
+
+
+def put(ext_dir, s, data):
+    cap = ext_dir / "capture"
+    cap.mkdir(parents=True, exist_ok=True)
+    (cap / contract.shard_filename(s.sample_id)).write_bytes(data)
+
+
+def check(tmp_path, items, **kw):
+    for s, data in items:
+        if data is not None:
+            put(tmp_path, s, data)
+    cfg = kw.pop("config", ValidateConfig(shard_wait_s=0.0))
+    return validate_batch([s for s, _ in items], extraction_dir=tmp_path, expect=kw.pop("expect", EXPECT),
+                          config=cfg, **kw)
+
+
+def test_valid_shard_becomes_a_ledger_entry(tmp_path):
+    s = sample("good")
+    data = shard_bytes(s)
+    res = check(tmp_path, [(s, data)])
+    (e,) = res.entries
+    assert (e.sample_id, e.num_tokens, e.loss_tokens, e.loss_spans) == ("good", 6, 4, ((2, 6),))
+    assert e.sha256 == contract.sha256_bytes(data) and e.bytes == len(data)
+    assert len(e.stats["norms"]) == len(AUX) + 1 and not res.invalid
+
+
+CASES = [
+    ("nan", lambda s: shard_bytes(s, raw_nan=True), "nonfinite", True, "non-finite value in aux_hidden"),
+    ("short", lambda s: shard_bytes(s, ids=s.input_ids.tolist()[:-1]), "tokens", True, "T=5 rows"),
+    ("ids", lambda s: shard_bytes(s, ids=[9, *s.input_ids.tolist()[1:]]), "tokens", True, "position 0"),
+    ("aux", lambda s: shard_bytes(s, p=prov(aux_layer_ids=(1, 2, 4))), "provenance", False, "aux_layer_ids"),
+    ("dtype", lambda s: shard_bytes(s, p=prov(dtype="float16")), "provenance", False, "dtype"),
+    ("junk", lambda s: b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}", "unreadable", True, "garbage header"),
+    ("v2", lambda s: shard_bytes(s).replace(b'"schema_version":"1"', b'"schema_version":"2"'), "unreadable",
+     True, "schema_version"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "kind", "requeue", "match"), CASES, ids=[c[0] for c in CASES])
+def test_invalid_shards_are_quarantined_with_their_reason(tmp_path, name, make, kind, requeue, match):
+    good, bad = sample("fine"), sample(f"bad-{name}")
+    res = check(tmp_path, [(good, shard_bytes(good)), (bad, make(bad))])
+    assert [e.sample_id for e in res.entries] == ["fine"]  # the rest of the batch is unaffected
+    (inv,) = res.invalid
+    assert (inv.sample_id, inv.kind, inv.requeue) == (bad.sample_id, kind, requeue) and match in inv.reason
+    name_ = contract.shard_filename(bad.sample_id)
+    assert not (tmp_path / "capture" / name_).exists()  # never stays under its capture name
+    note = json.loads((tmp_path / "quarantine" / f"{inv.quarantined}.reason.json").read_text())
+    assert note["sample_id"] == bad.sample_id and note["kind"] == kind and match in note["reason"]
+    assert (tmp_path / "quarantine" / inv.quarantined).is_file()
+
+
+def test_quarantining_twice_keeps_both(tmp_path):
+    s = sample("twice")
+    for _ in range(2):
+        check(tmp_path, [(s, shard_bytes(s, raw_nan=True))])
+    assert len(list((tmp_path / "quarantine").glob("*.reason.json"))) == 2
+
+
+class FakeClock:
+    def __init__(self, on_sleep=None):
+        self.now, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+        self.sleeps += 1
+        if self.on_sleep:
+            self.on_sleep(self.sleeps)
+
+
+def test_missing_shard_waits_bounded_then_is_terminal(tmp_path):
+    s = sample("late")
+    clock = FakeClock(lambda n: put(tmp_path, s, shard_bytes(s)) if n == 3 else None)  # SGLang: appears late
+    res = check(tmp_path, [(s, None)], config=ValidateConfig(shard_wait_s=5, poll_s=0.5), clock=clock,
+                sleep=clock.sleep)
+    assert [e.sample_id for e in res.entries] == ["late"] and clock.sleeps == 3
+    gone = sample("never")
+    clock = FakeClock()
+    res = check(tmp_path, [(gone, None)], config=ValidateConfig(shard_wait_s=5, poll_s=0.5), clock=clock,
+                sleep=clock.sleep)
+    (inv,) = res.invalid
+    assert inv.kind == "missing" and not inv.requeue and "capture missing" in inv.reason
+    assert clock.now == pytest.approx(5.0)  # bounded
+
+
+def test_unknown_provenance_is_pinned_by_the_first_valid_shard(tmp_path):
+    partial = Expectation(aux_layer_ids=AUX, hidden_size=H, num_layers=8, model_hash="mh", tokenizer_hash="th",
+                          chat_template_hash="ch")
+    a, b, c = sample("a"), sample("b"), sample("c")
+    res = check(tmp_path, [(a, shard_bytes(a, p=prov(engine="sglang"))), (b, shard_bytes(b, p=prov(model_hash="x"))),
+                           (c, shard_bytes(c, p=prov(engine="sglang", dtype="float16")))], expect=partial)
+    assert res.pinned == prov(engine="sglang")
+    assert [e.sample_id for e in res.entries] == ["a"]
+    assert {i.sample_id: i.kind for i in res.invalid} == {"b": "provenance", "c": "provenance"}
+
+
+def test_shard_in_a_server_capture_dir_is_moved_into_the_extraction(tmp_path):
+    s = sample("remote")
+    server_dir = tmp_path / "server-capture"
+    server_dir.mkdir()
+    (server_dir / contract.shard_filename("remote")).write_bytes(shard_bytes(s))
+    res = validate_batch([s], extraction_dir=tmp_path / "x", expect=EXPECT, server_capture_dirs=[server_dir],
+                         config=ValidateConfig(shard_wait_s=0))
+    assert res.entries and (tmp_path / "x" / "capture" / "remote.safetensors").is_file()
+    assert not (server_dir / "remote.safetensors").exists()
+
+
+def test_argmax_agreement_on_regenerated_assistant_spans(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    lm_head = torch.eye(H) + 0.01 * torch.randn(H, H, generator=g)  # [V, H]: row v scores token v
+    s = sample("regen", t=8, regenerated=True)
+    ids = torch.tensor(s.input_ids.tolist())
+    final = torch.zeros(8, H)
+    final[:-1] = lm_head[ids[1:]]  # final[t] predicts token t + 1
+    final[4] = lm_head[0]  # one wrong prediction inside the loss span
+    hits, n = argmax_agreement(final.to(torch.bfloat16), ids, s.loss_spans, lm_head)
+    assert (hits, n) == (5, 6)  # tokens 2..7 are in the span [2, 8): predicted from positions 1..6
+    res = check(tmp_path, [(s, shard_bytes(s, final=final))], lm_head=lm_head)
+    assert res.entries[0].stats["argmax_agreement"] == round(5 / 6, 4)
+    strict = ValidateConfig(shard_wait_s=0, min_argmax_agreement=0.9)
+    res = check(tmp_path, [(s, shard_bytes(s, final=final))], lm_head=lm_head, config=strict)
+    assert res.invalid[0].kind == "argmax"
+
+
+def test_norm_outliers_are_flagged_not_rejected(tmp_path):
+    items = [(s, shard_bytes(s)) for s in (sample(f"n{i}") for i in range(6))]
+    odd = sample("loud")
+    items.append((odd, shard_bytes(odd, scale=50.0)))
+    res = check(tmp_path, items)
+    assert len(res.entries) == 7 and res.outliers == 1
+    flagged = {e.sample_id: e.stats.get("outliers") for e in res.entries if e.stats.get("outliers")}
+    assert flagged == {"loud": [0, 1, 2]}

@@ -1,0 +1,179 @@
+"""Offline accept length: the store simulation reproduces the live decoder where the data allows it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from spec_support import one_thread
+
+from eaglenest.speculative.draft import load_exported_drafter
+from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
+from eaglenest.speculative.offline import (
+    SampleChains,
+    calibrate,
+    chain_drafts,
+    load_offline_draft,
+    offline_accept_length,
+    score_sample,
+    summarize,
+)
+from eaglenest.speculative.serve import load_spec_decoder
+from eaglenest.speculative.tree import SpecShape
+from eaglenest.store import held_out
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@dataclass(frozen=True)
+class FakeSample:  # the shape of eaglenest.store's StoreSample
+    sample_id: str
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # bool [T]
+    aux_hidden: torch.Tensor  # bf16 [T, 3H]
+    final_hidden: torch.Tensor  # bf16 [T, H]
+
+
+class FakeStore:
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def fp32_capture(runner, seq):
+    """(aux [T, 3H], final [T, H]) in fp32, by the capture convention (aux = hidden_states[id + 1])."""
+    with torch.inference_mode():
+        hs = runner.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1][0] for i in runner.aux_layer_ids], dim=-1), hs[-1][0]
+
+
+def make_store(runner, seqs, plens, *, prefix="s", exact=False):
+    """Real captures of the tiny target: bf16 like the store (or fp32 with ``exact``, to compare bit for bit)."""
+    caps = [fp32_capture(runner, s) for s in seqs] if exact else [(c.aux_hidden, c.final_hidden)
+                                                                  for c in runner.capture(seqs)]
+    out = []
+    for i, (s, n, (aux, final)) in enumerate(zip(seqs, plens, caps, strict=True)):
+        mask = torch.zeros(len(s), dtype=torch.bool)
+        mask[n:] = True  # the "assistant" tokens
+        out.append(FakeSample(f"{prefix}{i}", torch.tensor(s, dtype=torch.int32), mask, aux, final))
+    return FakeStore(out)
+
+
+def fp32_draft(runner, folder):
+    return load_exported_drafter(folder, embed_weight=runner.model.get_input_embeddings().weight.float())
+
+
+def test_parallel_chains_equal_the_live_drafter_at_every_start(spec_tiny):
+    runner, _, fitted, seqs, _ = spec_tiny
+    draft = fp32_draft(runner, fitted)
+    s = seqs[5]
+    aux = runner.capture([s])[0].aux_hidden.float()  # [T, 3H]
+    chains = chain_drafts(draft, torch.tensor(s), aux, 4)  # [T-1, 4]
+    assert chains.shape == (len(s) - 1, 4)
+    with torch.inference_mode():
+        for t in range(len(s) - 1):
+            live = Eagle3Proposer(FastDrafter(draft), SpecShape(depth=4))
+            live.begin(s[: t + 1], aux[: t + 1], s[t + 1])
+            assert live.propose(4).tokens == chains[t].tolist(), t
+
+
+def test_simulation_on_regenerated_data_matches_every_live_cycle(spec_tiny):
+    """Data = the target's own greedy answers: nothing is censored and each live verify cycle's accepted
+    count equals the simulated chain at that root (fp32 features; bf16 rounding can flip rare near-ties)."""
+    runner, _, fitted, seqs, plens = spec_tiny
+    draft = fp32_draft(runner, fitted)
+    head = runner.model.lm_head.weight.float()
+    store = make_store(runner, seqs, plens, exact=True)
+    dec = load_spec_decoder(runner, fitted, num_steps=3)
+    compared = 0
+    for sample, s, n in zip(store.samples, seqs, plens, strict=True):
+        out = dec.generate(s[:n], max_new_tokens=len(s) - n, ignore_eos=True)
+        assert out.output_ids == s[n:]
+        sim = score_sample(draft, head, sample, 3)
+        assert not any(sim.censored) and sim.agree == sim.loss_tokens
+        by_start = dict(zip([t for t in range(len(s) - 3) if sample.loss_mask[t + 1]], sim.accepted, strict=True))
+        root = n  # position of the first root (the prefill's token)
+        for a, d in zip(out.accepted, out.drafted, strict=True):
+            if d == 3:  # full chains only (the decoder drafts fewer right at the token budget)
+                assert by_start[root - 1] == a, (sample.sample_id, root)
+                compared += 1
+            root += a + 1
+    assert compared > 50
+    res = offline_accept_length(store, draft, head, num_steps=3, heldout_fraction=1.0)
+    assert res.censored_share == 0 and res.target_agreement == 1.0
+    assert res.accept_length == pytest.approx(res.accept_length_lower)
+    assert res.accept_length > 1.5 and res.samples == len(seqs)
+    bf16 = offline_accept_length(make_store(runner, seqs, plens), draft, head, num_steps=3, heldout_fraction=1.0)
+    assert bf16.target_agreement > 0.95 and abs(bf16.accept_length - res.accept_length) < 0.1  # the store's dtype
+
+
+def test_off_policy_answers_are_censored_not_counted_as_failures(spec_tiny):
+    runner, _, fitted, seqs, plens = spec_tiny
+    g = torch.Generator().manual_seed(0)
+    noisy = []
+    for s, n in zip(seqs, plens, strict=True):  # replace every 5th answer token: the data leaves the greedy path
+        s = list(s)
+        for i in range(n + 4, len(s), 5):
+            s[i] = int(torch.randint(3, 500, (1,), generator=g))
+        noisy.append(s)
+    draft = fp32_draft(runner, fitted)
+    res = offline_accept_length(make_store(runner, noisy, plens), draft, runner.model.lm_head.weight.float(),
+                                num_steps=3, heldout_fraction=1.0)
+    assert 0 < res.censored_share < 1 and res.target_agreement < 1
+    assert res.accept_length >= res.accept_length_lower
+
+
+def test_survival_estimate_by_hand():
+    chains = [SampleChains(accepted=[0, 1, 3, 1, 2], censored=[False, True, False, False, False], agree=0,
+                           loss_tokens=0)]
+    res = summarize(chains, 3, ["a"])
+    # step 1: all 5 evaluated, 4 accepted; step 2: the censored a=1 chain drops out -> 2 of 3; step 3: 1 of 2
+    assert res.conditional_at == pytest.approx((4 / 5, 2 / 3, 1 / 2))
+    assert res.accept_length == pytest.approx(1 + 0.8 + 0.8 * 2 / 3 + 0.8 * 2 / 3 / 2)
+    assert res.accept_length_lower == pytest.approx((0 + 1 + 3 + 1 + 2 + 5) / 5)
+    assert res.censored_share == pytest.approx(0.2)
+
+
+def test_heldout_split_and_refusals(spec_tiny, tiny_model_dir):
+    runner, untrained, _, seqs, plens = spec_tiny
+    store = make_store(runner, seqs, plens, prefix="sample-")
+    draft, head = load_offline_draft(tiny_model_dir, untrained)
+    held = [s.sample_id for s in store.samples if held_out(s.sample_id, 0.3)]  # the trainer's split
+    assert 0 < len(held) < len(seqs)
+    res = offline_accept_length(store, draft, head, num_steps=2, heldout_fraction=0.3)
+    assert list(res.sample_ids) == held
+    capped = offline_accept_length(store, draft, head, num_steps=2, heldout_fraction=0.3, max_samples=1)
+    assert list(capped.sample_ids) == held[:1]  # the trainer's eval cap: the rest were trained on
+    assert offline_accept_length(store, draft, head, sample_ids=["sample-1"]).sample_ids == ("sample-1",)
+    with pytest.raises(ValueError, match="aux layers"):
+        offline_accept_length(store, draft, head, heldout_fraction=1.0, aux_layer_ids=(0, 1, 2))
+    with pytest.raises(ValueError, match="no held-out samples"):
+        offline_accept_length(store, draft, head, sample_ids=["nope"])
+
+
+def test_calibration():
+    c = calibrate(2.4, 3.0)
+    assert c.ratio == pytest.approx(0.8) and c.error == pytest.approx(-0.6)
+
+
+def test_offline_estimate_is_calibrated_against_live_decoding(spec_tiny):
+    """Same held-out prompts decoded live: the store simulation predicts the live accept length."""
+    from eaglenest.speculative.cpu_bench import live_accept_on_samples
+
+    runner, _, fitted, seqs, plens = spec_tiny
+    store = make_store(runner, seqs, plens)
+    res = offline_accept_length(store, fp32_draft(runner, fitted), runner.model.lm_head.weight.float(), num_steps=3,
+                                heldout_fraction=1.0)
+    live = live_accept_on_samples(load_spec_decoder(runner, fitted, num_steps=3), store.samples, max_new_tokens=40)
+    cal = calibrate(res.accept_length, live.accept_length)
+    assert live.cycles > 100 and 0.8 < cal.ratio < 1.25, cal
