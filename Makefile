@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TEST_MARKERS ?= not slow and not device and not sglang
 
-.PHONY: setup demo test lint clean
+.PHONY: setup interop demo test lint clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -12,7 +12,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA wheels
 	$(PY) -m pip install -q -e ".[dev]"
+	$(MAKE) interop
 	touch $@
+
+# speculators (vLLM's EAGLE-3 format), for the test that loads our export with its own classes. Its
+# requirements would replace transformers (it pins <= 5.19) and add CUDA torchvision/torchaudio, so it goes
+# in without dependency resolution, plus exactly what its import chain needs.
+interop:
+	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 \
+	  multiprocess==0.70.19 xxhash==4.1.0
+	$(PY) -m pip install -q "openai>=2" "loguru==0.7.3" "pandas>=2"
 
 demo: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.pipeline --demo --out runs/demo

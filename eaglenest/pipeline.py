@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from eaglenest import contract
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.extraction.config import ExtractParams
+from eaglenest.forms import show_bounds
 from eaglenest.packaged_data import sha256_file
 from eaglenest.speculative.bench import BenchConfig
 
@@ -37,12 +39,24 @@ Stage = Literal["extract", "convert", "train", "export", "bench"]
 STAGES: tuple[Stage, ...] = ("extract", "convert", "train", "export", "bench")
 
 
+# The pipeline's stage settings: an empty text field means "what the pipeline produced" (a form shows an empty
+# text box for it, where an Optional field would show a None switch and 'Property is type "None"').
+class PipelineExtractParams(ExtractParams):
+    """Extraction settings; the store it converts into is the pipeline's (set once, at the top level)."""
+
+    output_dir: str = Field("", description=(
+        "Local folder (or file:// URL) that holds one subfolder per extraction id; empty: the extractions "
+        "folder inside the run folder."))
+    store_url: SkipJsonSchema[str | None] = Field(None, exclude=True)  # the pipeline's store_url converts
+    store_target_file_mb: SkipJsonSchema[int] = Field(256, exclude=True)
+
+
 class PipelineTrainParams(TrainConfig):
     """Training settings; ``store``, ``out_dir`` and ``target`` default to what the pipeline produced."""
 
-    store: str | None = Field(None, description="Store URL (default: the pipeline's store).")  # type: ignore[assignment]
-    out_dir: str | None = Field(None, description="Run folder (default: <run_dir>/train).")  # type: ignore[assignment]
-    target: str | None = Field(None, description="Target model (default: the extraction's model).")  # type: ignore[assignment]
+    store: str = Field("", description="Store URL; empty: the pipeline's store.")
+    out_dir: str = Field("", description="Training run folder; empty: the train folder inside the run folder.")
+    target: str = Field("", description="Target model; empty: the extraction's model.")
     max_minutes: float | None = Field(30.0, gt=0, description=(
         "Wall-clock budget of the training stage in minutes (None: run the whole schedule)."))
 
@@ -50,29 +64,30 @@ class PipelineTrainParams(TrainConfig):
 class PipelineBenchParams(BenchConfig):
     """Benchmark settings; the target, drafter, engine, store and output default to the pipeline's."""
 
-    draft: str | None = Field(None, description="Drafter folder (default: the pipeline's SGLang export).")  # type: ignore[assignment]
-    model: str | None = Field(None, description="Target (default: the extraction's model).")  # type: ignore[assignment]
-    engine: Literal["embedded", "sglang"] | None = Field(  # type: ignore[assignment]
-        None, description="embedded (CPU) or sglang (GPU); default: the extraction's engine.")
-    output_dir: str | None = Field(None, description="Report folder (default: <run_dir>/bench).")  # type: ignore[assignment]
-    store_url: str | None = Field(None, description="Store for the offline accept length (default: the pipeline's).")
+    draft: str = Field("", description="Drafter folder; empty: the pipeline's SGLang export.")
+    model: str = Field("", description="Target; empty: the extraction's model.")
+    engine: Literal["auto", "embedded", "sglang"] = Field(  # type: ignore[assignment]
+        "auto", description="embedded (CPU) or sglang (GPU); auto: the extraction's engine.")
+    output_dir: str = Field("", description="Report folder; empty: the bench folder inside the run folder.")
+    store_url: str = Field("", description="Store for the offline accept length; empty: the pipeline's store.")
 
 
 class PipelineParams(BaseModel):
     """extract -> convert -> train -> export -> bench, as one form."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=show_bounds)
 
     run_dir: str = Field("runs/pipeline", description=(
         "Local folder of this pipeline: extractions/, train/, export/, bench/, stages.json."))
-    extract: ExtractParams = Field(default_factory=ExtractParams, description=(
-        "Extraction: source, model, engine, servers, batching (output_dir defaults to <run_dir>/extractions)."))
+    extract: PipelineExtractParams = Field(default_factory=PipelineExtractParams, description=(
+        "Extraction: source, model, engine, servers, batching."))
     fresh_extraction_id: bool = Field(False, description=(
         "Give every flow run its own extraction id (scheduled re-extraction); a Retry of the run keeps its "
         "id and resumes it. Off: the id is a hash of the extraction's content, so a re-run resumes."))
-    store_url: str | None = Field(None, description=(
-        "Store URL (local path, file://, s3://, gs://, memory://); default <run_dir>/store. Credentials come "
-        "from the environment or a Prefect block, never from here."))
+    store_url: str = Field("", description=(
+        "Where the extraction is converted to: a store URL (local path, file://, s3://, gs://, memory://); empty: "
+        "the store folder inside the run folder. Credentials come from the environment or a Prefect block, "
+        "never from here."))
     store_target_file_mb: int = Field(256, ge=1, le=1 << 20, description="Target size of each store data file (MiB).")
     train: PipelineTrainParams = Field(default_factory=PipelineTrainParams, description="Drafter training.")
     export_formats: list[Literal["sglang", "speculators"]] = Field(
@@ -87,9 +102,8 @@ class PipelineParams(BaseModel):
         """The concrete configuration of every stage. ``run_tag`` names this flow run's extraction when
         ``fresh_extraction_id`` is on (the flow passes one that survives a retry)."""
         root = Path(self.run_dir).expanduser().resolve()
-        ext_updates: dict[str, Any] = {"store_url": None}
-        if "output_dir" not in self.extract.model_fields_set:
-            ext_updates["output_dir"] = str(root / "extractions")
+        ext_updates: dict[str, Any] = {"store_url": None,
+                                       "output_dir": self.extract.output_dir or str(root / "extractions")}
         if self.fresh_extraction_id:
             if not run_tag:
                 raise ValueError("fresh_extraction_id: needs a run tag (the flow run's id and start time)")
@@ -106,8 +120,9 @@ class PipelineParams(BaseModel):
             b["heldout_fraction"] = max(train.eval_fraction, 1e-6)
         if "offline_max_samples" not in self.bench.model_fields_set:
             b["offline_max_samples"] = max(train.eval_max_samples, 1)
+        engine = extract.engine if self.bench.engine == "auto" else self.bench.engine
         bench = BenchConfig(draft=self.bench.draft or export_dirs.get("sglang") or str(root / "export" / "sglang"),
-                            model=self.bench.model or extract.model, engine=self.bench.engine or extract.engine,
+                            model=self.bench.model or extract.model, engine=engine,
                             output_dir=self.bench.output_dir or str(root / "bench"),
                             store_url=self.bench.store_url or store_url, **b)
         stages = STAGES[: STAGES.index(self.stop_after) + 1]

@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
+from eaglenest.forms import show_bounds
 from tasks.store import convert_or_cached
 
 
 class ConvertParams(BaseModel):
     """Parameters of the convert flow (rendered as a form in the Prefect UI)."""
+
+    model_config = ConfigDict(json_schema_extra=show_bounds)
 
     extraction_dir: str = Field(description="Extraction folder holding ledger.jsonl and capture/ (validated shards).")
     store_url: str = Field(description="Store URL: local path, file://, memory://, s3:// or gs:// (credentials "

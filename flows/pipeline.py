@@ -26,10 +26,11 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from eaglenest.cli import errors
 from eaglenest.extraction.config import ExtractParams
+from eaglenest.forms import show_bounds
 from eaglenest.packaged_data import sha256_file
 from eaglenest.pipeline import (
     BenchOutput,
@@ -172,10 +173,12 @@ def pipeline(params: PipelineParams = PipelineParams()) -> dict:
 class FanoutParams(BaseModel):
     """The pipeline with its extraction split over several nodes (each runs the ``extract`` deployment)."""
 
+    model_config = ConfigDict(json_schema_extra=show_bounds)
+
     pipeline: PipelineParams = Field(default_factory=PipelineParams, description=(
         "The pipeline; extract.output_dir must be a folder every node and this flow can read (shared mount)."))
     nodes: int = Field(2, ge=1, le=256, description="Parts of the extraction, one extract run per part.")
-    extract_deployment: str = Field("extract/gpu-process", description=(
+    extract_deployment: str = Field("extract/extract-gpu-process", description=(
         "Deployment (flow/deployment name) that runs one part; its work pool decides where the parts run."))
     part_timeout_s: float | None = Field(None, gt=0, description="Give up waiting for a part after this long.")
 

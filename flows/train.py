@@ -5,20 +5,24 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from eaglenest.drafter.config import TrainConfig
+from eaglenest.forms import show_bounds
 from tasks.train import export_or_cached, train_or_cached, training_report
 
 
 class TrainFlowParams(BaseModel):
     """Parameters of the train flow (rendered as a form in the Prefect UI)."""
 
+    model_config = ConfigDict(json_schema_extra=show_bounds)
+
     train: TrainConfig = Field(description="Training configuration (store, target, schedule, budget).")
     export_formats: list[Literal["sglang", "speculators"]] = Field(
         default_factory=lambda: ["sglang", "speculators"],
         description="sglang: --speculative-algorithm EAGLE3 folder; speculators: vLLM's layout.")
-    export_dir: str | None = Field(None, description="Where exports go (default <out_dir>/export/<format>).")
+    export_dir: str = Field("", description=(
+        "Where exports go, one subfolder per format; empty: the export folder inside the training run folder."))
     export_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Exported weight dtype.")
     speculative_tokens: int = Field(3, ge=1, le=16, description="Draft length written into the speculators config.")
 

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eaglenest.forms import show_bounds
+
 RESUME_MUTABLE = frozenset({
     "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
     "threads", "device", "check_store_sha256",
@@ -23,7 +25,7 @@ RESUME_MUTABLE = frozenset({
 class TrainConfig(BaseModel):
     """EAGLE-3 drafter training from a store of engine-captured hidden states."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=show_bounds)
 
     store: str = Field(description="Store URL (Arrow store), or an extraction folder with ledger.jsonl.")
     check_store_sha256: bool = Field(
@@ -51,7 +53,8 @@ class TrainConfig(BaseModel):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 autocast on GPUs and CPUs with native bf16, else fp32."
     )
-    device: str = Field("auto", description="auto | cpu | cuda (torchrun: cuda:<local rank>).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "auto: cuda when available, else cpu. Under torchrun each process takes the GPU of its local rank."))
     init: Literal["random", "target"] = Field(
         "random", description="random (SpecForge's choice); target: LM head/norm from the target and fc reading "
         "the deepest aux layer (starts at a higher KL; no better after 40 steps on SmolLM2)."

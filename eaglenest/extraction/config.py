@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eaglenest.data.recipe import DEFAULT_RECIPE, RECIPES, RecipeName, apply_recipe
+from eaglenest.forms import show_bounds
 
 _DEFAULT = RECIPES[DEFAULT_RECIPE]
 
@@ -27,7 +28,7 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 class RegenerationParams(BaseModel):
     """Let the target answer every prompt itself (the EAGLE recipe for matching its distribution)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=show_bounds)
 
     enabled: bool = Field(_DEFAULT.regenerate, description="Regenerate assistant turns with the target before capture.")
     temperature: float = Field(_DEFAULT.temperature, ge=0.0, le=5.0, description=(
@@ -41,7 +42,7 @@ class RegenerationParams(BaseModel):
 class ExtractParams(BaseModel):
     """Extract hidden states for a prompt set: tokenize, (regenerate), prefill with capture, validate."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=show_bounds)
 
     recipe: RecipeName = Field(DEFAULT_RECIPE, description=(
         "Training-data recipe (eaglenest.data.recipe): 'regenerate' = the target answers every user turn in "
@@ -78,7 +79,7 @@ class ExtractParams(BaseModel):
         "Name of the extraction folder; default = a hash of the content-defining parameters, so the same "
         "request resumes the same extraction."))
     output_dir: str = Field("runs/extractions", description=(
-        "Local folder (or file:// URL) holding <extraction_id>/; the capture servers write into it."))
+        "Local folder (or file:// URL) that holds one subfolder per extraction id; the capture servers write into it."))
     server_capture_dir: str | None = Field(None, description=(
         "Where given server_urls write shards when their /get_model_info does not say (default: the "
         "extraction's capture folder)."))

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eaglenest.forms import show_bounds
 from eaglenest.speculative.serve import SpecConfig
 
 OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
@@ -31,7 +32,7 @@ OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
 class BenchConfig(BaseModel):
     """Baseline vs EAGLE3 at several concurrencies, and whether the drafter may ship."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=show_bounds)
 
     engine: Literal["embedded", "sglang"] = Field("embedded", description="embedded (CPU) or sglang (GPU)")
     model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
@@ -54,7 +55,8 @@ class BenchConfig(BaseModel):
     port: int | None = Field(None, ge=1, le=65535, description="server port (default: a free one; sglang 30000)")
     ready_timeout_s: float = Field(900.0, gt=0, description="launch + first real request must succeed within this")
     request_timeout_s: float = Field(600.0, gt=0, description="per-request client timeout")
-    dtype: str = Field("auto", description="embedded: auto | bfloat16 | float32")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="embedded servers' numerics (auto: bfloat16 where the CPU is fast at it)")
     onednn_baseline: OneDNNPolicy = Field("prefill-only", description="embedded baseline's oneDNN policy")
     onednn_eagle3: OneDNNPolicy = Field(
         "prefill+verify", description="embedded EAGLE3 server's oneDNN policy (1-token steps run best without)")

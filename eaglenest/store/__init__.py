@@ -34,6 +34,7 @@ from eaglenest.store.extraction import ExtractionStore, open_samples
 from eaglenest.store.layout import (
     STORE_SCHEMA_VERSION,
     ConvertInputError,
+    StoreBackendMissing,
     StoreCorrupt,
     StoreDiskFull,
     StoreError,
@@ -52,6 +53,7 @@ __all__ = [
     "ExtractionStore",
     "LengthBucketSampler",
     "Store",
+    "StoreBackendMissing",
     "StoreCorrupt",
     "StoreDataset",
     "StoreDiskFull",

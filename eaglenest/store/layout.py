@@ -73,6 +73,10 @@ class StoreDiskFull(StoreError):
     """The destination ran out of space; nothing partial was published. Terminal until space is freed."""
 
 
+class StoreBackendMissing(StoreError):
+    """The URL's protocol needs an fsspec implementation that is not installed (s3fs, gcsfs). Terminal."""
+
+
 class ConvertInputError(StoreError):
     """The extraction folder cannot be converted as is (missing/changed shard, ledger mismatch)."""
 
@@ -94,8 +98,24 @@ def disk_full_error(where: str, exc: OSError) -> StoreDiskFull:
 
 def resolve(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """fsspec filesystem and root path (no trailing slash) for a store URL or local path."""
-    fs, path = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    try:
+        fs, path = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    except ImportError as e:  # fsspec knows the protocol but its implementation package is not installed
+        raise StoreBackendMissing(backend_missing_message(str(url), e)) from e
     return fs, path.rstrip("/") or "/"
+
+
+# What to install for each object-store protocol's fsspec implementation (s3 is an eaglenest extra).
+_INSTALL = {"s3": ("s3fs", "pip install 'eaglenest[s3]'"), "s3a": ("s3fs", "pip install 'eaglenest[s3]'"),
+            "gs": ("gcsfs", "pip install gcsfs"), "gcs": ("gcsfs", "pip install gcsfs")}
+
+
+def backend_missing_message(url: str, exc: ImportError) -> str:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol not in _INSTALL:
+        return f"{url}: no filesystem for {protocol}:// is installed ({exc})"
+    package, command = _INSTALL[protocol]
+    return f"{url}: {protocol}:// needs {package}, which is not installed: {command}"
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

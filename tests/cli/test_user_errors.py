@@ -49,7 +49,9 @@ def test_store_info_on_s3_without_s3fs(tmp_path):
             "from eaglenest.cli import main; raise SystemExit(main(['store', 'info', 's3://bucket/store']))")
     r = _run(code, tmp_path)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("eaglenest: error: Install s3fs"), r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: s3://bucket/store: s3:// needs s3fs"), r.stderr
+    assert last.endswith("pip install 'eaglenest[s3]'"), r.stderr  # names the extra to install
     assert "Traceback" not in r.stderr
 
 

@@ -180,16 +180,17 @@ def test_pools_and_deployments_are_as_the_yaml_says(stack):
         assert pools["gpu-docker"].type == "docker" and pools["gpu-process"].type == "process"
         deployed = {f"{_flow_name(x)}/{x['name']}": c.read_deployment_by_name(f"{_flow_name(x)}/{x['name']}")
                     for x in spec["deployments"] if (ROOT / x["entrypoint"].split(":")[0]).is_file()}
-    assert {"extract/gpu-process", "extract/gpu-docker", "train/gpu-docker", "bench/gpu-process",
-            "pipeline/gpu-process", "pipeline/gpu-docker", "pipeline-fanout/control"} <= set(deployed)
-    weekly = deployed["pipeline/reextract-weekly"]
+    assert {"extract/extract-gpu-process", "extract/extract-gpu-docker", "train/train-gpu-docker",
+            "bench/bench-gpu-process", "pipeline/pipeline-gpu-process", "pipeline/pipeline-gpu-docker",
+            "pipeline-fanout/pipeline-fanout-control"} <= set(deployed)
+    weekly = deployed["pipeline/pipeline-weekly-reextract-schedule-off"]
     assert weekly.parameters == {"params": {"fresh_extraction_id": True}}
     assert [(s.schedule.cron, s.active) for s in weekly.schedules] == [("0 3 * * 0", False)]  # off until configured
     assert all(d.enforce_parameter_schema for d in deployed.values())
-    docker_dep = deployed["extract/gpu-docker"]
+    docker_dep = deployed["extract/extract-gpu-docker"]
     assert docker_dep.work_pool_name == "gpu-docker" and docker_dep.pull_steps == [
         {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/eaglenest"}}]
-    assert deployed["extract/gpu-process"].pull_steps == [  # EAGLENEST_ROOT is read on the worker at run time
+    assert deployed["extract/extract-gpu-process"].pull_steps == [  # EAGLENEST_ROOT is read on the worker at run time
         {"deployments.steps.set_working_directory_from_env": {"variable": "EAGLENEST_ROOT"}}]
     # what the docker worker would build: the pool's job configuration with this deployment's job variables
     tpl = pools["gpu-docker"].base_job_template
@@ -225,7 +226,7 @@ def test_planted_extraction_failure_then_ui_retry_resumes_without_redoing_batche
     params = _extract_params(tiny_model_dir, out, "e2e-retry", max_attempts=1, max_relaunch_rounds=0)
     stack.gate.touch()
     try:
-        run_id = stack.start("extract/gpu-process", {"params": params})
+        run_id = stack.start("extract/extract-gpu-process", {"params": params})
         assert stack.wait(run_id) == "FAILED", _tail(stack.logs / "worker.log")
     finally:
         stack.gate.unlink(missing_ok=True)
@@ -306,7 +307,7 @@ def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artif
     again), and publishes its artifacts: extraction progress at 100 %, tables, PNG plots."""
     params = _pipeline_params(tiny_model_dir, tmp_path / "run")
     ext_dir = tmp_path / "run" / "extractions" / "e2e-pipe"
-    run_id = stack.start("pipeline/gpu-process", params)
+    run_id = stack.start("pipeline/pipeline-gpu-process", params)
     pid = _flow_pid(stack, run_id)
     deadline = time.monotonic() + 180
     while not (ext_dir / "ledger.jsonl").is_file() or not ledger_ids(ext_dir):
@@ -319,7 +320,7 @@ def test_pipeline_sigterm_mid_extraction_crashes_then_rerun_completes_with_artif
     assert server_pids and all(_group_gone(p) for p in server_pids)  # no orphaned capture server
     kept = len(ledger_ids(ext_dir))
 
-    again = stack.start("pipeline/gpu-process", params)
+    again = stack.start("pipeline/pipeline-gpu-process", params)
     assert stack.wait(again, timeout_s=420) == "COMPLETED", _tail(stack.logs / "worker.log")
     summary = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     assert [summary[s]["skipped"] for s in ("extract", "convert", "train", "export", "bench")] == [False] * 5

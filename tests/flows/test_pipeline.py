@@ -151,9 +151,9 @@ def test_fanout_partitions_the_extraction_and_merges_the_parts_into_one_store(pr
     monkeypatch.setattr(prefect.deployments, "run_deployment", fake_run_deployment)
     base = _tiny_pipeline(tiny_model_dir, tmp_path)
     params = FanoutParams(pipeline=base.model_copy(update={"stop_after": "convert"}), nodes=3,
-                          extract_deployment="extract/gpu-process")
+                          extract_deployment="extract/extract-gpu-process")
     out = pipeline_fanout(params)
-    assert sorted(calls) == [("extract/gpu-process", i, 3) for i in range(3)]
+    assert sorted(calls) == [("extract/extract-gpu-process", i, 3) for i in range(3)]
     parts = [json.loads((tmp_path / "run" / "extractions" / f"tiny-p{i}of3" / "report.json").read_text())
              for i in range(3)]
     assert all(p["complete"] and p["done"] > 0 for p in parts)
