@@ -39,9 +39,10 @@ def serve(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's)")] = None,
     speculative_algorithm: Annotated[str | None, typer.Option(help="EAGLE3 (or unset: plain decoding)")] = None,
     speculative_draft_model_path: Annotated[str | None, typer.Option(help="exported EAGLE-3 drafter")] = None,
-    speculative_num_steps: Annotated[int, typer.Option(help="draft steps per cycle")] = 3,
-    speculative_eagle_topk: Annotated[int, typer.Option(help="must be 1 (chain)")] = 1,
-    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="steps + 1 (root counted)")] = None,
+    speculative_num_steps: Annotated[int | None, typer.Option(help="draft depth (default: the measured best "
+                                                             "shape)")] = None,
+    speculative_eagle_topk: Annotated[int, typer.Option(help="1 = chain, more = EAGLE-2 tree")] = 1,
+    speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="tokens verified, root counted")] = None,
 ) -> None:
     """Embedded server for benchmarks: greedy requests decoded plainly or with EAGLE-3 (SGLang's flags)."""
     from eaglenest.engines.serving import serve as run
@@ -58,12 +59,13 @@ def serve(
                                  "or neither")
     if speculative_algorithm not in (None, "EAGLE3"):
         raise typer.BadParameter(f"--speculative-algorithm {speculative_algorithm}: only EAGLE3 is supported")
-    spec = SpecConfig(num_steps=speculative_num_steps, topk=speculative_eagle_topk,
-                      num_draft_tokens=speculative_num_draft_tokens)
+    spec = None if speculative_num_steps is None else SpecConfig(
+        num_steps=speculative_num_steps, topk=speculative_eagle_topk, num_draft_tokens=speculative_num_draft_tokens)
     engine = build_bench_engine(resolve_model(model), draft_dir=speculative_draft_model_path, spec=spec, dtype=dtype,
                                 onednn=onednn)
+    shape = getattr(getattr(engine.greedy_decoder, "decoder", None), "shape", None)
     typer.echo(f"bench server: {engine.runner.model_dir} ({engine.runner.dtype_name}) "
-               f"{'EAGLE3 ' + str(speculative_draft_model_path) if speculative_draft_model_path else 'plain'} "
+               f"{f'EAGLE3 {speculative_draft_model_path} shape {shape.name}' if shape else 'plain'} "
                f"onednn={onednn} on http://{host}:{port}", err=True)
     run(engine, host=host, port=port)
 
@@ -99,23 +101,42 @@ def cpu(
     draft: Annotated[str, typer.Option(help="exported EAGLE-3 drafter ('random' = untrained smoke test)")],
     model: Annotated[str, typer.Option(help="target model")] = "default",
     prompt_set: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt")] = "mt-bench",
-    num_prompts: Annotated[int, typer.Option(help="prompts")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="new tokens per prompt")] = 64,
-    steps: Annotated[int, typer.Option(help="draft steps per cycle (k)")] = 3,
+    num_prompts: Annotated[int, typer.Option(help="prompts")] = 80,
+    max_new_tokens: Annotated[int, typer.Option(help="new tokens per prompt")] = 128,
+    rounds: Annotated[int, typer.Option(help="passes over the prompts")] = 1,
+    shapes: Annotated[str, typer.Option(help="speculation shapes, e.g. chain3,tree4x4n12 (default: the measured "
+                                        "best)")] = "",
+    save_shape: Annotated[bool, typer.Option(help="make the fastest shape measured the default")] = False,
     dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float32")] = "auto",
-    policies: Annotated[str, typer.Option(help="oneDNN policies to try")] = (
-        "onednn,no-onednn,prefill-only,prefill+verify"),
-    out: Annotated[Path | None, typer.Option(help="write the JSON result here")] = None,
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
+    plain_policies: Annotated[str, typer.Option(help="oneDNN policies for plain greedy (default: "
+                                                "eaglenest.speculative.cpu_bench.PLAIN_POLICIES)")] = "",
+    spec_policies: Annotated[str, typer.Option(help="oneDNN policies for EAGLE-3 (default: SPEC_POLICIES)")] = "",
+    out: Annotated[Path | None, typer.Option(help="JSON result (default results/cpu_spec_<time>.json)")] = None,
 ) -> None:
-    """Accept length and wall-clock speedup of a drafter vs plain greedy, side by side in one process."""
-    from eaglenest.speculative.cpu_bench import run_cpu_bench
+    """Wall-clock speedup, accept length and cycle cost of a drafter vs plain greedy, side by side."""
+    import os
+    import sys
 
+    import torch
+
+    from eaglenest.speculative.cpu_bench import default_json_path, run_cpu_bench, run_record, save_measured_shape
+
+    torch.set_num_threads(threads)
+    load = os.getloadavg()
     result = run_cpu_bench(model=model, draft=draft, prompt_set=prompt_set, num_prompts=num_prompts,
-                           max_new_tokens=max_new_tokens, num_steps=steps, dtype=dtype,
-                           policies=[p for p in policies.split(",") if p], progress=lambda m: typer.echo(m, err=True))
+                           max_new_tokens=max_new_tokens, shapes=[s for s in shapes.split(",") if s] or None,
+                           dtype=dtype, plain_policies=[p for p in plain_policies.split(",") if p] or None,
+                           spec_policies=[p for p in spec_policies.split(",") if p] or None, rounds=rounds,
+                           progress=lambda m: typer.echo(m, err=True))
+    record = run_record(result, argv=sys.argv, load_before=load)
     typer.echo("\n".join(result.lines()))
-    if out:
-        out.write_text(json.dumps(result.to_json(), indent=1))
+    path = out or default_json_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    typer.echo(f"wrote {path}")
+    if save_shape:
+        typer.echo(f"default shape {result.best('eagle3').shape} saved to {save_measured_shape(result, path, record)}")
 
 
 @app.command()

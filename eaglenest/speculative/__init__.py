@@ -1,11 +1,17 @@
 """Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
 
-Modules (imports point downwards: engines, drafter -> draft -> decoder -> serve -> live -> report -> bench):
+Modules (imports point downwards: engines, drafter -> draft, onednn, tree -> drafting -> decoder -> serve -> live
+-> report -> bench):
 
 - :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
   :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
-- :mod:`~eaglenest.speculative.decoder`    lossless greedy chain speculation over a transformers target
-  (:class:`SpecDecoder`, :func:`plain_greedy`, :class:`AcceptStats`, per-phase oneDNN policy).
+- :mod:`~eaglenest.speculative.onednn`     oneDNN per decoding phase, prepacked linear weights.
+- :mod:`~eaglenest.speculative.tree`       speculation shapes (chain, EAGLE-2 tree), tree verify mask, path
+  acceptance, the measured default shape (``cpu_shape.json``).
+- :mod:`~eaglenest.speculative.drafting`   the drafter at decode time (fused weights, preallocated KV, chain
+  and tree proposals).
+- :mod:`~eaglenest.speculative.decoder`    lossless greedy speculation (chain or tree) over a transformers
+  target (:class:`SpecDecoder`, :func:`plain_greedy`, :class:`AcceptStats`).
 - :mod:`~eaglenest.speculative.cpu_bench`  side-by-side CPU benchmark (speculative vs plain, one process).
 - :mod:`~eaglenest.speculative.offline`    teacher-forced accept length from a store, and calibration.
 - :mod:`~eaglenest.speculative.serve`      the embedded server as a benchmark target (SGLang's flags and

@@ -38,7 +38,7 @@ class BenchConfig(BaseModel):
     model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
     draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
     num_steps: int = Field(3, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps)")
-    topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); embedded: 1")
+    topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
     prompt_set: Literal["mt-bench", "humaneval", "sharegpt"] = Field("mt-bench", description="named prompt set")
@@ -83,8 +83,6 @@ class BenchConfig(BaseModel):
             SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
         except ValueError as e:
             raise ValueError(f"num_steps/topk/num_draft_tokens: {e}") from None
-        if self.engine == "embedded" and self.topk != 1:
-            raise ValueError("topk: the embedded decoder runs chain speculation only (topk=1)")
         if self.target_concurrency not in self.concurrencies:
             raise ValueError(f"target_concurrency={self.target_concurrency} is not among concurrencies "
                              f"{self.concurrencies}")

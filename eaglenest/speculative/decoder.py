@@ -17,56 +17,23 @@ the output equals plain KV-cached greedy decoding token for token (in bf16 a bat
 may round differently from a 1-token forward, see FACTS.md). ``accept length`` everywhere in
 eaglenest counts the bonus token (``a + 1``), as SGLang's ``spec_accept_length`` does.
 
-oneDNN: :class:`OneDNN` chooses per phase (prefill, 1-token decode, multi-token verify/draft) whether
-oneDNN runs; on these CPUs 1-token decode is faster without it and prefill much faster with it.
+oneDNN: :class:`~eaglenest.speculative.onednn.OneDNN` chooses per phase (prefill, 1-row steps, multi-row
+verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from eaglenest.drafter.model import DraftKVCache, Eagle3Drafter
+from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OneDNN:
-    """Whether oneDNN (mkldnn) runs in each phase of decoding."""
-
-    prefill: bool = True
-    decode: bool = True
-    """1-token target steps (plain decoding) and the draft's own steps."""
-    verify: bool = True
-    """The (k+1)-token verification forward of the target and the draft's multi-token extend."""
-
-    @property
-    def name(self) -> str:
-        return "-".join(f"{p}:{'on' if getattr(self, p) else 'off'}" for p in ("prefill", "decode", "verify"))
-
-    @staticmethod
-    def candidates() -> dict[str, OneDNN]:
-        return {"onednn": OneDNN(), "no-onednn": OneDNN(prefill=False, decode=False, verify=False),
-                "prefill-only": OneDNN(decode=False, verify=False),
-                "prefill+verify": OneDNN(decode=False)}
-
-
-@contextlib.contextmanager
-def _phase(enabled: bool):
-    """oneDNN on or off for one phase (torch's flags() warns about TF32 on Intel GPUs: silenced)."""
-    if not torch.backends.mkldnn.is_available():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-        with torch.backends.mkldnn.flags(enabled=enabled):
-            yield
+from eaglenest.speculative.onednn import OneDNN, pack_linears, phase
+from eaglenest.speculative.tree import DraftTree, SpecShape, accept, verify_inputs
 
 
 class Proposer(Protocol):
@@ -75,56 +42,12 @@ class Proposer(Protocol):
     def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
         """After the target prefill: prompt ids [T], aux_hidden [T, k*H], the target's first token."""
 
-    def propose(self, k: int) -> list[int]:
-        """``k`` draft tokens (target ids) following the current root."""
+    def propose(self, max_depth: int) -> DraftTree:
+        """Draft tokens following the current root, no path longer than ``max_depth``."""
 
     def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
         """Accepted drafts + bonus (a + 1 tokens; the last is the new root) and aux [a+1, k*H] of
         the tokens verified before them (old root, d1..da)."""
-
-
-class Eagle3Proposer:
-    """Drafting with an :class:`Eagle3Drafter`: extend over target features, then k-1 own steps."""
-
-    def __init__(self, draft: Eagle3Drafter, onednn: OneDNN = OneDNN()) -> None:
-        self.draft, self.onednn = draft, onednn
-        self.cache = DraftKVCache()
-        self.last_hidden: torch.Tensor | None = None  # [1, 1, H], pre-norm output at the root's predecessor
-        self.last_logits: torch.Tensor | None = None  # [Vd]
-        self.root_pos = 0  # target position of the current root token
-
-    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor):
-        """tokens [1, S], hidden [1, S, H] at the next S positions of the cache."""
-        start = self.cache.length
-        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device).view(1, -1)  # [1, S]
-        return self.draft(tokens, hidden, pos, self.cache)
-
-    def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
-        ids = torch.tensor([list(tokens)], device=self.draft.d2t.device)  # [1, S]
-        with _phase(self.onednn.verify if len(tokens) > 1 else self.onednn.decode):
-            out = self._forward(ids, self.draft.project(aux_hidden[None].to(self.draft.fc.weight.dtype)))
-        self.last_hidden, self.last_logits = out.hidden[:, -1:], out.logits[0, -1]
-
-    def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
-        # position i reads (token i + 1, aux_i): the drafter predicts the token after next
-        self._extend([*list(prompt_ids)[1:], root], aux_hidden)
-        self.root_pos = len(prompt_ids)
-
-    def propose(self, k: int) -> list[int]:
-        d = self.draft.to_target_ids(torch.argmax(self.last_logits)).view(1, 1)  # [1, 1]
-        drafts, h = [int(d)], self.last_hidden
-        with _phase(self.onednn.decode):
-            for _ in range(k - 1):
-                out = self._forward(d, h)
-                h = out.hidden  # [1, 1, H]
-                d = self.draft.to_target_ids(torch.argmax(out.logits[0, -1])).view(1, 1)
-                drafts.append(int(d))
-        return drafts
-
-    def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
-        self.cache.truncate(self.root_pos)  # forget the drafter's own steps; rebuild from target features
-        self._extend(tokens, aux_hidden)
-        self.root_pos += len(tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,17 +95,18 @@ def plain_greedy(
 
     stops = _stops(runner, ignore_eos, stop_token_ids)
     model, dev = runner.model, runner.device
+    pack_linears(model)
     t0 = time.perf_counter()
     cache = DynamicCache()
     output: list[int] = []
     if max_new_tokens <= 0:
         return PlainGeneration(output_ids=output, finish_reason="length", prefill_s=0.0, decode_s=0.0)
-    with _phase(onednn.prefill):
+    with phase(onednn.prefill):
         out = model(input_ids=torch.tensor([list(input_ids)], device=dev), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
     t1 = time.perf_counter()
     token, finish = int(torch.argmax(out.logits[0, -1])), "length"
-    with _phase(onednn.decode):
+    with phase(onednn.decode):
         while True:
             output.append(token)
             if token in stops:
@@ -198,32 +122,43 @@ def plain_greedy(
 
 @dataclass
 class SpecDecoder:
-    """Greedy chain speculation over ``runner``'s model with proposers made by ``make_proposer``.
+    """Greedy speculation (chain or tree, ``shape``) over ``runner``'s model with proposers made by
+    ``make_proposer``.
 
     Not thread-safe: one generation at a time per runner (the embedded engine's scheduler thread).
     """
 
     runner: TargetRunner
     make_proposer: Callable[[], Proposer]
-    num_steps: int = 3
+    shape: SpecShape = field(default_factory=SpecShape)
     onednn: OneDNN = field(default_factory=OneDNN)
 
-    def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+    @property
+    def num_steps(self) -> int:
+        """Draft depth: the most draft tokens one cycle can accept."""
+        return self.shape.depth
 
     @classmethod
-    def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, num_steps: int = 3,
+    def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, shape: SpecShape = SpecShape(),
                onednn: OneDNN = OneDNN()) -> SpecDecoder:
         if tuple(runner.aux_layer_ids) != draft.config.aux_layer_ids:
             from eaglenest.speculative.draft import DraftLoadError
 
             raise DraftLoadError(f"drafter reads aux layers {list(draft.config.aux_layer_ids)}, target captures "
                                  f"{list(runner.aux_layer_ids)}")
-        return cls(runner, lambda: Eagle3Proposer(draft, onednn), num_steps, onednn)
+        from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 
-    def _aux(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.cat([hidden_states[i + 1][0] for i in self.runner.aux_layer_ids], dim=-1)  # [N, k*H]
+        pack_linears(runner.model)
+        fast = FastDrafter(draft)
+        return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn)
+
+    def _aux(self, hidden_states: tuple[torch.Tensor, ...], rows: list[int] | None = None) -> torch.Tensor:
+        """[N, k*H] aux states of the target's verify ``rows`` (all rows when None)."""
+        parts = [hidden_states[i + 1][0] for i in self.runner.aux_layer_ids]
+        if rows is not None:
+            index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)
+            parts = [p[index] for p in parts]
+        return torch.cat(parts, dim=-1)
 
     @torch.inference_mode()
     def generate(
@@ -244,40 +179,35 @@ class SpecDecoder:
             return SpecGeneration(output_ids=output, finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
                                   decode_s=0.0, draft_s=0.0, verify_s=0.0)
         cache = DynamicCache()
-        with _phase(self.onednn.prefill):
+        with phase(self.onednn.prefill):  # the target's prompt and the drafter's extend over it
             out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
                         output_hidden_states=True, logits_to_keep=1)
-        root = int(torch.argmax(out.logits[0, -1]))
-        proposer = self.make_proposer()
-        t1 = time.perf_counter()
-        proposer.begin(prompt, self._aux(out.hidden_states), root)
-        draft_s += time.perf_counter() - t1
+            root = int(torch.argmax(out.logits[0, -1]))
+            proposer = self.make_proposer()
+            proposer.begin(prompt, self._aux(out.hidden_states), root)
         prefill_s = time.perf_counter() - t0
         t_dec = time.perf_counter()
         output.append(root)
         finish = "stop" if root in stops else "length"
+        n = len(prompt)  # the root's position = tokens in the target cache
         while finish != "stop" and len(output) < max_new_tokens:
-            n = cache.get_seq_length()  # the root's position
-            k = min(self.num_steps, max_new_tokens - len(output) - 1, (ctx - n - 1) if ctx else self.num_steps)
+            k = min(self.shape.depth, max_new_tokens - len(output) - 1, (ctx - n - 1) if ctx else self.shape.depth)
             t = time.perf_counter()
-            drafts = proposer.propose(k) if k > 0 else []
+            tree = proposer.propose(k) if k > 0 else DraftTree([], [])  # the proposer picks its oneDNN phases
             draft_s += time.perf_counter() - t
             t = time.perf_counter()
-            with _phase(self.onednn.verify if drafts else self.onednn.decode):
-                out = model(input_ids=torch.tensor([[root, *drafts]], device=dev), past_key_values=cache,
+            ids, pos, mask = verify_inputs(root, tree, n, device=dev)
+            with phase(self.onednn.rows(len(tree) + 1)):
+                out = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
                             use_cache=True, output_hidden_states=True)
-            target = out.logits[0].argmax(dim=-1).tolist()  # [k+1]: the target's token after each input
+            path, bonus = accept(tree, out.logits[0].argmax(dim=-1).tolist())
+            a = len(path)
+            rows = [0, *(i + 1 for i in path)]  # verify rows of the root and the accepted nodes
+            _keep_rows(cache, n, rows)
             verify_s += time.perf_counter() - t
-            a = 0
-            while a < len(drafts) and drafts[a] == target[a]:
-                a += 1
-            new = [*drafts[:a], target[a]]
+            new = [*(tree.tokens[i] for i in path), bonus]
             accepted.append(a)
-            drafted.append(len(drafts))
-            # drop the rejected drafts' KV; a negative crop removes that many tokens on every transformers 5.x
-            rejected = cache.get_seq_length() - (n + a + 1)
-            if rejected > 0:
-                cache.crop(-rejected)
+            drafted.append(max(tree.depths(), default=0))
             for tok in new:
                 output.append(tok)
                 if tok in stops:
@@ -288,12 +218,26 @@ class SpecDecoder:
             if finish == "stop" or len(output) >= max_new_tokens:
                 break
             t = time.perf_counter()
-            proposer.advance(new, self._aux(out.hidden_states)[: a + 1])
+            proposer.advance(new, self._aux(out.hidden_states, rows))
             draft_s += time.perf_counter() - t
-            root = new[-1]
+            root, n = new[-1], n + a + 1
         return SpecGeneration(output_ids=output, finish_reason=finish, accepted=tuple(accepted), drafted=tuple(drafted),
                               prefill_s=prefill_s, decode_s=time.perf_counter() - t_dec, draft_s=draft_s,
                               verify_s=verify_s)
+
+
+def _keep_rows(cache, past: int, rows: list[int]) -> None:
+    """Keep the target's keys/values of the cached prefix and of the verify ``rows`` (in order), drop
+    the rest: a chain's accepted rows are a prefix (a crop); a tree path is gathered first."""
+    total = cache.get_seq_length()
+    if rows != list(range(len(rows))):
+        src = torch.tensor([past + r for r in rows], device=cache.layers[0].keys.device)
+        for layer in cache.layers:
+            layer.keys[:, :, past: past + len(rows)] = layer.keys[:, :, src]
+            layer.values[:, :, past: past + len(rows)] = layer.values[:, :, src]
+    drop = total - past - len(rows)
+    if drop > 0:
+        cache.crop(-drop)  # a negative crop removes that many tokens on every transformers 5.x
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

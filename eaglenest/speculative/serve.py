@@ -12,7 +12,8 @@ Owns the glue between :mod:`eaglenest.speculative.decoder` and the embedded engi
   server can run the best plain setting, not the default one).
 
 The spec flags mirror SGLang's names; ``--speculative-num-draft-tokens`` counts the root token, so
-chain speculation (topk 1) requires ``num_draft_tokens == num_steps + 1``.
+chain speculation (topk 1) requires ``num_draft_tokens == num_steps + 1``; topk > 1 runs an EAGLE-2
+tree (:mod:`eaglenest.speculative.tree`). Without flags the embedded decoder runs the measured best shape.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engines.runtime import Generation, TargetRunner
-from eaglenest.speculative.decoder import OneDNN, SpecDecoder, plain_greedy
+from eaglenest.speculative.decoder import SpecDecoder, plain_greedy
+from eaglenest.speculative.onednn import OneDNN
+from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,7 +37,7 @@ class SpecConfig:
     num_steps: int = 3
     """Draft forwards per cycle (--speculative-num-steps)."""
     topk: int = 1
-    """Branching per draft step (--speculative-eagle-topk); the embedded decoder runs chains (1) only."""
+    """Branching per draft step (--speculative-eagle-topk); 1 = a chain, more = an EAGLE-2 tree."""
     num_draft_tokens: int | None = None
     """Tokens verified per cycle INCLUDING the root (--speculative-num-draft-tokens); default num_steps + 1."""
 
@@ -55,6 +58,15 @@ class SpecConfig:
     def draft_tokens(self) -> int:
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
 
+    @property
+    def shape(self) -> SpecShape:
+        """The embedded decoder's shape for these flags."""
+        return SpecShape(depth=self.num_steps, topk=self.topk, draft_tokens=self.draft_tokens - 1)
+
+    @classmethod
+    def of(cls, shape: SpecShape) -> SpecConfig:
+        return cls(num_steps=shape.depth, topk=shape.topk, num_draft_tokens=shape.nodes + 1)
+
     def sglang_args(self, draft_path: str | Path) -> list[str]:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
                 "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.topk),
@@ -62,7 +74,7 @@ class SpecConfig:
 
 
 class SpecGreedy:
-    """``greedy_decoder`` for the embedded engine: EAGLE-3 chain speculation."""
+    """``greedy_decoder`` for the embedded engine: EAGLE-3 speculation (chain or tree)."""
 
     def __init__(self, decoder: SpecDecoder) -> None:
         self.decoder = decoder
@@ -74,9 +86,10 @@ class SpecGreedy:
 
     def server_info(self, stats: dict[str, Any]) -> dict[str, Any]:
         verify, correct = stats.get("spec_verify_ct", 0), stats.get("spec_correct_drafts", 0)
-        info: dict[str, Any] = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": self.decoder.num_steps,
-                                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": self.decoder.num_steps + 1,
-                                "onednn": self.decoder.onednn.name}
+        shape = self.decoder.shape
+        info: dict[str, Any] = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": shape.depth,
+                                "speculative_eagle_topk": shape.topk, "speculative_num_draft_tokens": shape.nodes + 1,
+                                "speculative_shape": shape.name, "onednn": self.decoder.onednn.name}
         if verify:
             info["internal_states"] = [{"avg_spec_accept_length": (correct + verify) / verify}]
         return info
@@ -97,29 +110,38 @@ class PlainGreedy:
         return {"speculative_algorithm": None, "onednn": self.onednn.name}
 
 
-def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, num_steps: int = 3,
-                      onednn: OneDNN = OneDNN()) -> SpecDecoder:
-    """An EAGLE-3 decoder over ``runner`` with the exported draft in ``draft_dir`` (target's embedding)."""
+def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, shape: SpecShape | str | None = None,
+                      num_steps: int | None = None, onednn: OneDNN = OneDNN()) -> SpecDecoder:
+    """An EAGLE-3 decoder over ``runner`` with the exported draft in ``draft_dir`` (target's embedding).
+
+    ``shape`` (a :class:`SpecShape` or its name, e.g. ``tree4x4n12``), or ``num_steps`` for a chain of
+    that depth; neither: the measured best shape (:func:`~eaglenest.speculative.tree.measured_best_shape`)."""
     from eaglenest.speculative.draft import check_export_matches, load_exported_drafter
 
     check_export_matches(draft_dir, runner.model_dir)
     draft = load_exported_drafter(draft_dir, embed_weight=runner.model.get_input_embeddings().weight,
                                   dtype=runner.model.dtype, target_aux_layer_ids=runner.aux_layer_ids)
-    return SpecDecoder.eagle3(runner, draft, num_steps=num_steps, onednn=onednn)
+    if shape is not None and num_steps is not None:
+        raise ValueError("give shape or num_steps, not both")
+    if isinstance(shape, str):
+        shape = SpecShape.parse(shape)
+    if shape is None:
+        shape = SpecShape(depth=num_steps) if num_steps is not None else measured_best_shape()
+    return SpecDecoder.eagle3(runner, draft, shape=shape, onednn=onednn)
 
 
-def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = None, spec: SpecConfig = SpecConfig(),
-                       dtype: str = "auto", onednn: str = "onednn"):
-    """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3."""
+def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = None,
+                       spec: SpecConfig | None = None, dtype: str = "auto", onednn: str = "onednn"):
+    """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3 (``spec``
+    None: the measured best shape)."""
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.speculative.draft import draft_aux_layer_ids
 
-    if spec.topk != 1:
-        raise ValueError("the embedded decoder runs chain speculation only: use topk=1")
     policy = _policy(onednn)
     aux = draft_aux_layer_ids(draft_dir) if draft_dir else None
     runner = TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux)
-    decoder: Any = (SpecGreedy(load_spec_decoder(runner, draft_dir, num_steps=spec.num_steps, onednn=policy))
+    decoder: Any = (SpecGreedy(load_spec_decoder(runner, draft_dir, shape=spec.shape if spec else None,
+                                                      onednn=policy))
                     if draft_dir else PlainGreedy(runner, policy))
     return EmbeddedEngine(runner, capture_dir=None, greedy_decoder=decoder)
 
@@ -132,11 +154,13 @@ def _policy(name: str) -> OneDNN:
 
 
 def bench_serve_command(*, model: str | Path, port: int, host: str = "127.0.0.1", draft: str | Path | None = None,
-                        spec: SpecConfig = SpecConfig(), dtype: str = "auto", onednn: str = "onednn",
+                        spec: SpecConfig | None = None, dtype: str = "auto", onednn: str = "onednn",
                         threads: int | None = None) -> list[str]:
     """``python -m eaglenest bench serve ...``: the embedded benchmark server in a fresh process."""
     cmd = [sys.executable, "-m", "eaglenest", "bench", "serve", "--model", str(model), "--host", host,
            "--port", str(port), "--dtype", dtype, "--onednn", onednn]
     if threads:
         cmd += ["--threads", str(threads)]
+    if draft and spec is None:
+        spec = SpecConfig.of(measured_best_shape())
     return cmd + (spec.sglang_args(draft) if draft else [])

@@ -9,9 +9,12 @@ import pytest
 import torch
 from spec_support import one_thread, random_prompts
 
-from eaglenest.speculative.decoder import AcceptStats, OneDNN, SpecDecoder, plain_greedy
+from eaglenest.speculative.decoder import AcceptStats, SpecDecoder, plain_greedy
 from eaglenest.speculative.draft import DraftLoadError, load_exported_drafter, write_random_draft
+from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
+from eaglenest.speculative.onednn import OneDNN
 from eaglenest.speculative.serve import load_spec_decoder
+from eaglenest.speculative.tree import DraftTree, SpecShape
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +99,7 @@ class OracleProposer:
             i = self.pos + j
             tok = self.cont[i] if i < len(self.cont) else 0
             out.append((tok + 1) % self.vocab if i in self.corrupt else tok)
-        return out
+        return DraftTree.chain(out)
 
     def advance(self, tokens, aux_hidden):
         assert aux_hidden.shape[0] == len(tokens)
@@ -111,7 +114,7 @@ def test_verify_and_rollback_with_an_oracle_proposer(tiny_runner, seed):
     cont = plain_greedy(tiny_runner, ids, max_new_tokens=60, ignore_eos=True).output_ids
     corrupt = {i for i in range(1, 60) if rng.random() < 0.3}
     k = rng.randint(1, 6)
-    dec = SpecDecoder(tiny_runner, lambda: OracleProposer(cont, corrupt, 512), num_steps=k)
+    dec = SpecDecoder(tiny_runner, lambda: OracleProposer(cont, corrupt, 512), shape=SpecShape(depth=k))
     out = dec.generate(ids, max_new_tokens=60, ignore_eos=True)
     assert out.output_ids == cont
     # expected accepts: from each root, drafts run until the first corrupted position
@@ -134,25 +137,24 @@ def test_accept_stats_by_hand():
 
 def test_drafter_rollback_equals_a_fresh_start(spec_tiny):
     """After propose/advance cycles, the drafter's cache state equals one built from scratch."""
-    from eaglenest.speculative.decoder import Eagle3Proposer
-
     runner, _, fitted, seqs, plens = spec_tiny
-    draft = load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight)
+    draft = FastDrafter(load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight))
     s, n = seqs[3], plens[3]
     aux = runner.capture([s])[0].aux_hidden.float()  # [T, 3H]
-    live = Eagle3Proposer(draft)
-    live.begin(s[:n], aux[:n], s[n])
-    pos = n
-    for step in (2, 0, 3, 1):
-        live.propose(3)
-        live.advance(s[pos + 1: pos + 2 + step], aux[pos: pos + 1 + step])
-        pos += step + 1
-        fresh = Eagle3Proposer(draft)
-        fresh.begin(s[:pos], aux[:pos], s[pos])
-        assert live.cache.length == fresh.cache.length == pos
-        assert live.propose(3) == fresh.propose(3)
-        live.cache.truncate(pos)
-        torch.testing.assert_close(live.last_logits, fresh.last_logits, rtol=1e-4, atol=1e-4)
+    for shape in (SpecShape(depth=3), SpecShape(depth=3, topk=3, draft_tokens=8)):
+        live = Eagle3Proposer(draft, shape, capacity=4)  # tiny capacity: the cache grows on the way
+        live.begin(s[:n], aux[:n], s[n])
+        pos = n
+        for step in (2, 0, 3, 1):
+            live.propose(3)
+            live.advance(s[pos + 1: pos + 2 + step], aux[pos: pos + 1 + step])
+            pos += step + 1
+            fresh = Eagle3Proposer(draft, shape)
+            fresh.begin(s[:pos], aux[:pos], s[pos])
+            assert live.state.length == fresh.state.length == pos
+            assert live.propose(3) == fresh.propose(3)
+            live.state.length = pos
+            torch.testing.assert_close(live.last_logits, fresh.last_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_loader_refuses_a_wrong_target_or_folder(spec_tiny, tmp_path):
@@ -172,7 +174,7 @@ def test_loader_refuses_a_wrong_target_or_folder(spec_tiny, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_smollm2_with_trained_drafter_is_lossless():
-    """Real SmolLM2 (fp32) + a trained drafter: EAGLENEST_TRAINED_DRAFTER=<exported folder>."""
+    """Real SmolLM2 (fp32) + a trained drafter, chains and trees: EAGLENEST_TRAINED_DRAFTER=<exported folder>."""
     path = os.environ.get("EAGLENEST_TRAINED_DRAFTER")
     if not path:
         pytest.skip("set EAGLENEST_TRAINED_DRAFTER to an exported SmolLM2 drafter folder")
@@ -183,15 +185,19 @@ def test_smollm2_with_trained_drafter_is_lossless():
 
     torch.set_num_threads(2)
     runner = TargetRunner(ensure_default_model(), dtype="float32", aux_layer_ids=draft_aux_layer_ids(path))
-    dec = load_spec_decoder(runner, path, num_steps=3)
     ids = P.tokenize(P.load_prompt_set("mt-bench", limit=6), runner.tokenizer)
-    acc, drafted = [], []
-    for x in ids:
-        out = dec.generate(x, max_new_tokens=40)
-        assert out.output_ids == plain_greedy(runner, x, max_new_tokens=40).output_ids
-        acc += out.accepted
-        drafted += out.drafted
-    print("SmolLM2 fp32 accept length", AcceptStats.from_cycles(acc, drafted, 3))
+    refs = [plain_greedy(runner, x, max_new_tokens=40).output_ids for x in ids]
+    for shape in ("chain3", "chain5", "tree3x4n12", "tree5x4n16", "tree4x8n24"):
+        dec = load_spec_decoder(runner, path, shape=shape)
+        acc, drafted = [], []
+        for x, ref in zip(ids, refs, strict=True):
+            out = dec.generate(x, max_new_tokens=40)
+            assert out.output_ids == ref, shape
+            acc += out.accepted
+            drafted += out.drafted
+        stats = AcceptStats.from_cycles(acc, drafted, dec.shape.depth)
+        print(f"SmolLM2 fp32 {shape}: accept length {stats.accept_length:.3f}, histogram {stats.histogram}")
+        assert max(acc) > 1, shape  # the drafter's drafts were accepted, so the tree paths were exercised
 
 
 def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_model_dir):
@@ -223,17 +229,30 @@ def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_mode
         check_export_matches(out, other)
 
 
-def test_side_by_side_benchmark_accounts_both_methods(spec_tiny):
-    from eaglenest.speculative.cpu_bench import side_by_side
+def test_side_by_side_benchmark_accounts_every_variant(spec_tiny, tmp_path):
+    from eaglenest.speculative.cpu_bench import run_record, save_measured_shape, side_by_side
+    from eaglenest.speculative.tree import measured_best_shape
 
     runner, _, fitted, seqs, plens = spec_tiny
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:3]
-    policies = {k: v for k, v in OneDNN.candidates().items() if k in ("onednn", "prefill-only")}
-    res = side_by_side(runner, lambda pol: load_spec_decoder(runner, fitted, num_steps=3, onednn=pol), prompts,
-                       max_new_tokens=12, policies=policies, ignore_eos=True)
-    assert res.mismatched_prompts == {"onednn": 0, "prefill-only": 0}  # fp32: lossless
-    assert {(t.method, t.policy) for t in res.totals} == {(m, p) for m in ("plain", "eagle3") for p in policies}
-    assert all(t.tokens == 36 for t in res.totals)
-    assert res.accept.cycles == sum(t.cycles for t in res.totals if t.method == "eagle3")
+    shapes = [SpecShape(depth=3), SpecShape.parse("tree3x2n5")]
+    res = side_by_side(runner, lambda pol, shape: load_spec_decoder(runner, fitted, shape=shape, onednn=pol), prompts,
+                       max_new_tokens=12, shapes=shapes, plain_policies=["onednn", "prefill-only"],
+                       spec_policies=["prefill-only"], rounds=2, ignore_eos=True)
+    assert {t.label for t in res.totals} == {"plain onednn", "plain prefill-only", "eagle3 prefill-only chain3",
+                                             "eagle3 prefill-only tree3x2n5"}
+    assert all(t.tokens == 72 and len(t.outputs) == 3 for t in res.totals)  # 2 rounds x 3 prompts x 12 tokens
+    eagle = [t for t in res.totals if t.method == "eagle3"]
+    assert all(res.mismatch_rate(t) == 0 for t in eagle)  # fp32: lossless
+    assert all(sum(t.accepted) + t.cycles + 6 == 72 for t in eagle)  # every token from the prefill or a verify
+    assert res.best("plain").cycles == 66
     assert res.speedup == pytest.approx(res.best("eagle3").tok_s / res.best("plain").tok_s)
-    assert res.break_even_accept_length > 0 and "break-even" in "\n".join(res.lines())
+    c = res.cycle_cost(eagle[0])
+    assert c["total"] == pytest.approx(c["draft"] + c["verify"] + c["other"]) and c["total"] > 0
+    text = "\n".join(res.lines())
+    assert "SPEEDUP" in text and "cycle" in text and "mismatch 0.0%" in text
+    record = run_record(res, argv=["bench"], load_before=(0.0, 0.0, 0.0))
+    assert {"command", "commit", "date", "machine", "result"} <= set(record)
+    assert record["result"]["best_eagle3"]["shape"] in ("chain3", "tree3x2n5")
+    saved = save_measured_shape(res, tmp_path / "r.json", record, path=tmp_path / "shape.json")
+    assert measured_best_shape(saved).name == res.best("eagle3").shape

@@ -8,8 +8,8 @@ import pytest
 import torch
 from spec_support import one_thread
 
-from eaglenest.speculative.decoder import Eagle3Proposer
 from eaglenest.speculative.draft import load_exported_drafter
+from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 from eaglenest.speculative.offline import (
     SampleChains,
     calibrate,
@@ -20,6 +20,7 @@ from eaglenest.speculative.offline import (
     summarize,
 )
 from eaglenest.speculative.serve import load_spec_decoder
+from eaglenest.speculative.tree import SpecShape
 from eaglenest.store import held_out
 
 
@@ -81,9 +82,9 @@ def test_parallel_chains_equal_the_live_drafter_at_every_start(spec_tiny):
     assert chains.shape == (len(s) - 1, 4)
     with torch.inference_mode():
         for t in range(len(s) - 1):
-            live = Eagle3Proposer(draft)
+            live = Eagle3Proposer(FastDrafter(draft), SpecShape(depth=4))
             live.begin(s[: t + 1], aux[: t + 1], s[t + 1])
-            assert live.propose(4) == chains[t].tolist(), t
+            assert live.propose(4).tokens == chains[t].tolist(), t
 
 
 def test_simulation_on_regenerated_data_matches_every_live_cycle(spec_tiny):

@@ -1,0 +1,212 @@
+"""The drafter at decode time: a lean forward of :class:`~eaglenest.drafter.model.Eagle3Drafter`.
+
+Owns how the embedded decoder runs the drafter per cycle, cheaply on a 2-core CPU:
+
+- :class:`FastDrafter`: the drafter's weights regrouped once (q/k/v and gate/up fused into one
+  matmul each), RoPE tables computed once, attention over grouped KV heads without copying them
+  (``enable_gqa``); rows are batch-1 and 2-D ([S, H]), no module dispatch per op.
+- :class:`DraftState`: one request's preallocated keys/values (no ``torch.cat`` per step; rolling
+  back speculative rows is setting the length).
+- :class:`Eagle3Proposer`: the :class:`~eaglenest.speculative.decoder.Proposer` over them: one extend over
+  the accepted tokens (their target features), then a chain or an EAGLE-2 dynamic tree.
+
+Invariant: the math is ``Eagle3Drafter.forward``'s (same norms in fp32, same RoPE, same attention);
+results differ only by matmul rounding, and drafts are proposals, so the decoder stays lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
+from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
+from eaglenest.speculative.tree import DraftTree, SpecShape
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+class FastDrafter:
+    """Inference-only view of a drafter (shares its tensors; fused copies of q/k/v and gate/up)."""
+
+    def __init__(self, draft: Eagle3Drafter) -> None:
+        cfg, layer = draft.config, draft.midlayer
+        at = layer.self_attn
+        self.draft, self.cfg = draft, cfg
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        w = {"qkv": torch.cat((at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)).contiguous(),
+             "o": at.o_proj.weight, "gate_up": torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
+             "down": layer.mlp.down_proj.weight, "fc": draft.fc.weight, "head": draft.lm_head.weight}
+        self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
+        self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()
+        self.n_post, self.n_final = layer.post_attention_layernorm.weight.float(), draft.norm.weight.float()
+        self.embed_weight, self.d2t = draft.embed_weight, draft.d2t
+        self.dtype = draft.fc.weight.dtype
+        self._cos = self._sin = torch.empty(0)
+        self._rope(max(cfg.max_position_embeddings, 1))
+
+    def _rope(self, n: int) -> None:
+        if n > self._cos.shape[0]:  # positions beyond the table (long contexts): grow it once
+            self._cos, self._sin = rope_cos_sin(torch.arange(n, device=self.d2t.device), self.hd,
+                                                self.cfg.rope_theta)  # [n, hd] fp32
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [S, k*Ht] -> [S, H]."""
+        return self._lin(aux.to(self.dtype), "fc")
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return linear(x, *self.w[name])
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, st: DraftState, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """S new rows appended to ``st``: ids [S] target ids, hidden [S, H], positions [S]; ``mask``
+        [S, length + S] bool (True = attend) or None (every row sees all earlier rows and itself:
+        S == 1, or a causal extend built here). Returns (pre-norm output [S, H], logits [S, Vd])."""
+        s, start = ids.shape[0], st.length
+        x = torch.cat((_rms(F.embedding(ids, self.embed_weight).to(self.dtype), self.n_in, self.eps),
+                       _rms(hidden, self.n_hid, self.eps)), dim=-1)  # [S, 2H]
+        qkv = self._lin(x, "qkv")
+        q, k, v = qkv.split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), dim=-1)
+        self._rope(int(pos.max()) + 1)
+        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [S, 1, hd]
+        q = _rotate(q.view(s, self.nh, self.hd), cos, sin).transpose(0, 1)  # [nh, S, hd]
+        k = _rotate(k.view(s, self.nkv, self.hd), cos, sin).transpose(0, 1)  # [nkv, S, hd]
+        keys, values = st.append(k, v.view(s, self.nkv, self.hd).transpose(0, 1))
+        if mask is None and s > 1:
+            mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
+        attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                              enable_gqa=self.nh != self.nkv)  # [1, nh, S, hd]
+        residual = self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o") + hidden
+        gate, up = self._lin(_rms(residual, self.n_post, self.eps), "gate_up").chunk(2, dim=-1)
+        out = self._lin(F.silu(gate) * up, "down") + residual
+        return out, self._lin(_rms(out, self.n_final, self.eps), "head")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE in fp32 (``apply_rope``'s math) on [S, heads, hd]."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class DraftState:
+    """One request's draft keys/values, preallocated and grown by doubling: [nkv, capacity, hd]."""
+
+    def __init__(self, fd: FastDrafter, capacity: int) -> None:
+        shape = (fd.nkv, max(capacity, 16), fd.hd)
+        self.k = torch.empty(shape, dtype=fd.dtype, device=fd.d2t.device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            k2, v2 = (self.k.new_empty(self.k.shape[0], 2 * end, self.k.shape[2]) for _ in range(2))
+            k2[:, : self.length], v2[:, : self.length] = self.k[:, : self.length], self.v[:, : self.length]
+            self.k, self.v = k2, v2
+        self.k[:, self.length: end], self.v[:, self.length: end] = k, v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+
+class Eagle3Proposer:
+    """Drafting with an EAGLE-3 drafter: extend over the accepted tokens' target features, then a
+    chain (argmax per step) or an EAGLE-2 dynamic tree (expand the ``topk`` best nodes by cumulative
+    draft log-probability per depth, keep the ``nodes`` best overall)."""
+
+    def __init__(self, fd: FastDrafter, shape: SpecShape = SpecShape(), onednn: OneDNN = OneDNN(),
+                 capacity: int = 1024) -> None:
+        self.fd, self.shape, self.onednn = fd, shape, onednn
+        self.state = DraftState(fd, capacity)
+        self.last_hidden: torch.Tensor | None = None  # [1, H] output of the row before the root
+        self.last_logits: torch.Tensor | None = None  # [Vd]
+        self.root_pos = 0  # target position of the current root token
+
+    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with phase(self.onednn.rows(ids.shape[0])):
+            return self.fd.forward(self.state, ids, hidden, pos, mask)
+
+    def _extend(self, tokens: Sequence[int], aux_hidden: torch.Tensor, onednn: bool | None = None) -> None:
+        """Rows over target features (``onednn``: the phase's setting; None: by row count)."""
+        start = self.state.length
+        ids = torch.tensor(list(tokens), device=self.fd.d2t.device)
+        pos = torch.arange(start, start + len(tokens), device=ids.device)
+        with phase(self.onednn.rows(len(tokens)) if onednn is None else onednn):
+            out, logits = self.fd.forward(self.state, ids, self.fd.project(aux_hidden), pos, None)
+        self.last_hidden, self.last_logits = out[-1:], logits[-1]
+
+    def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:
+        # position i reads (token i + 1, aux_i): the drafter predicts the token after next
+        self._extend([*list(prompt_ids)[1:], root], aux_hidden, self.onednn.prefill)
+        self.root_pos = len(prompt_ids)
+
+    def advance(self, tokens: Sequence[int], aux_hidden: torch.Tensor) -> None:
+        self.state.length = self.root_pos  # forget the drafter's own steps; rebuild from target features
+        self._extend(tokens, aux_hidden)
+        self.root_pos += len(tokens)
+
+    def propose(self, max_depth: int) -> DraftTree:
+        depth = min(self.shape.depth, max_depth)
+        if depth <= 0:
+            return DraftTree([], [])
+        if self.shape.is_chain:
+            return self._chain(depth)
+        return self._tree(depth)
+
+    def _chain(self, depth: int) -> DraftTree:
+        fd = self.fd
+        d = fd.to_target(self.last_logits.argmax().view(1))  # [1]
+        drafts, h = [d], self.last_hidden
+        for i in range(depth - 1):
+            h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
+            d = fd.to_target(logits[0].argmax().view(1))
+            drafts.append(d)
+        return DraftTree.chain(torch.cat(drafts).tolist())
+
+    def _tree(self, depth: int) -> DraftTree:
+        fd, k = self.fd, self.shape.topk
+        base = self.state.length  # == root_pos: rows of the committed prefix
+        logp = torch.log_softmax(self.last_logits.float(), dim=-1)  # [Vd]
+        score, idx = logp.topk(k)  # level 1: the root's best children
+        tokens, parents, scores = [fd.to_target(idx)], [torch.full((k,), -1)], [score]
+        frontier = torch.arange(k)  # node ids being expanded
+        hidden = self.last_hidden.expand(k, -1)  # [k, H]
+        ancestors = torch.zeros(k, 0, dtype=torch.bool)  # [k, draft rows so far]: rows each frontier node sees
+        n_nodes = k
+        for level in range(1, depth):
+            mask = torch.cat((torch.ones(k, base, dtype=torch.bool), ancestors, torch.eye(k, dtype=torch.bool)), 1)
+            toks = torch.cat(tokens)[frontier]
+            h, logits = self._forward(toks, hidden, torch.full((k,), self.root_pos + level - 1), mask)
+            cand = torch.cat(scores)[frontier][:, None] + torch.log_softmax(logits.float(), dim=-1)  # [k, Vd]
+            child_score, child_idx = cand.topk(k, dim=-1)  # [k, k]: each node's best children
+            tokens.append(fd.to_target(child_idx.reshape(-1)))
+            parents.append(frontier.repeat_interleave(k))
+            scores.append(child_score.reshape(-1))
+            best = child_score.reshape(-1).topk(k).indices  # the next frontier: k best of k*k
+            parent_row = best // k  # which of this level's rows each new frontier node hangs under
+            frontier, hidden = n_nodes + best, h[parent_row]
+            ancestors = torch.cat((ancestors, torch.eye(k, dtype=torch.bool)), 1)[parent_row]  # [k, rows + k]
+            n_nodes += k * k
+        all_scores = torch.cat(scores)
+        keep = all_scores.topk(min(self.shape.nodes, all_scores.numel())).indices.sort().values.tolist()
+        all_tokens, all_parents = torch.cat(tokens).tolist(), torch.cat(parents).tolist()
+        new_id: dict[int, int] = {-1: -1}
+        out_t, out_p = [], []
+        for i in keep:  # ids ascend, so a parent is seen before its children
+            if all_parents[i] in new_id:
+                new_id[i] = len(out_t)
+                out_t.append(all_tokens[i])
+                out_p.append(new_id[all_parents[i]])
+        return DraftTree(out_t, out_p)
+

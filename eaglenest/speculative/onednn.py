@@ -1,0 +1,116 @@
+"""oneDNN per decoding phase on the CPU: the policy, the phase switch, and prepacked linear weights.
+
+Owns how the embedded decoders run their matmuls. Measured on these CPUs (bf16, FACTS.md): with
+oneDNN off a 1-row linear is a fast GEMV but every further row costs about one more weight read
+(a 4-token verify ~3x a 1-token step); with oneDNN on, each call reorders the weight (a 1-token
+step ~2x slower) but rows come almost free. Prepacking the weights once into oneDNN's layout keeps
+the flat cost in rows without the per-call reorder, so a 4-16-token verify costs about one step.
+
+- :class:`OneDNN`: whether oneDNN runs in each phase (prefill, 1-row decode steps, multi-row verify
+  and draft forwards); :func:`phase` switches it for a block.
+- :func:`pack_linears`: replaces a model's ``nn.Linear`` modules with :class:`PackedLinear`, which
+  uses the prepacked weight inside a :func:`phase` with oneDNN on and the plain weight everywhere
+  else (so other users of the same model, e.g. capture, compute exactly what they did before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_state = threading.local()  # .packed: inside a phase() with oneDNN on, on this thread
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OneDNN:
+    """Whether oneDNN (mkldnn, with prepacked weights) runs in each phase of decoding."""
+
+    prefill: bool = True
+    decode: bool = True
+    """1-row forwards: plain decode steps, the chain's draft steps."""
+    verify: bool = True
+    """Multi-row forwards: the target's verify, the draft's extend and tree steps."""
+
+    @property
+    def name(self) -> str:
+        return "-".join(f"{p}:{'on' if getattr(self, p) else 'off'}" for p in ("prefill", "decode", "verify"))
+
+    def rows(self, n: int) -> bool:
+        """The setting for a forward over ``n`` new rows after the prompt."""
+        return self.verify if n > 1 else self.decode
+
+    @staticmethod
+    def candidates() -> dict[str, OneDNN]:
+        return {"onednn": OneDNN(), "no-onednn": OneDNN(prefill=False, decode=False, verify=False),
+                "prefill-only": OneDNN(decode=False, verify=False),
+                "prefill+verify": OneDNN(decode=False)}
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@contextlib.contextmanager
+def phase(enabled: bool):
+    """oneDNN (and prepacked weights) on or off for one phase (torch's flags() warns about TF32 on
+    Intel GPUs: silenced)."""
+    if not torch.backends.mkldnn.is_available():
+        yield
+        return
+    before = getattr(_state, "packed", False)
+    _state.packed = enabled
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+            with torch.backends.mkldnn.flags(enabled=enabled):
+                yield
+    finally:
+        _state.packed = before
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] in oneDNN's blocked layout (None where oneDNN cannot run it)."""
+    if not packing_available() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through the prepacked weight when the current phase has oneDNN on."""
+    if packed is not None and getattr(_state, "packed", False):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` that also holds its weight prepacked for oneDNN (shares the original tensors)."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.packed = prepack(lin.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear` (idempotent); returns how many
+    were swapped. Costs one more copy of the linear weights in memory."""
+    if not packing_available():
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child))
+                swapped += 1
+    return swapped

@@ -1,0 +1,158 @@
+"""Draft trees for the embedded decoder: the speculation shape, the tree, its verify mask, acceptance.
+
+Owns what a cycle drafts and how the target checks it, independent of which model drafts:
+
+- :class:`SpecShape`: ``depth`` draft forwards per cycle, ``topk`` candidates per expanded node, and
+  ``draft_tokens`` tree nodes verified (the root excluded). ``topk == 1`` is a chain of ``depth``
+  tokens (SGLang ``--speculative-eagle-topk 1``); otherwise EAGLE-2's dynamic tree (SGLang's
+  ``--speculative-eagle-topk`` > 1 with ``--speculative-num-draft-tokens = draft_tokens + 1``).
+- :class:`DraftTree`: nodes in an order where a parent precedes its children (node ``i``'s parent
+  is ``parents[i]``, ``-1`` = the root); a chain is ``parents == [-1, 0, 1, ...]``.
+- :func:`verify_inputs`: the verify forward's tokens, position ids and a 4-D boolean mask
+  (True = attend) over ``[cache..., root, nodes...]``: every row sees the whole cache, its
+  ancestors and itself, so one forward scores every root-to-node path at once.
+- :func:`accept`: greedy acceptance of the longest path whose every token is the target's argmax
+  after its parent (the bonus token is the target's argmax after the last accepted node).
+
+Invariant: the emitted tokens are the target's greedy choices along one path; each row's logits
+depend only on its ancestors, so the result equals sequential greedy decoding in exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecShape:
+    """What one speculation cycle drafts (SGLang's flags in brackets)."""
+
+    depth: int = 3
+    """Draft forwards per cycle and the longest path [--speculative-num-steps]."""
+    topk: int = 1
+    """Candidates kept per expanded node and nodes expanded per depth [--speculative-eagle-topk]."""
+    draft_tokens: int | None = None
+    """Tree nodes verified, root excluded (SGLang's --speculative-num-draft-tokens minus one); default
+    and only value for a chain: ``depth``."""
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1:
+            raise ValueError(f"depth and topk must be >= 1, got depth={self.depth} topk={self.topk}")
+        n, most = self.nodes, self.topk + (self.depth - 1) * self.topk * self.topk
+        if self.topk == 1 and n != self.depth:
+            raise ValueError(f"a chain (topk=1) verifies depth={self.depth} draft tokens, not {n}")
+        if not 1 <= n <= most:
+            raise ValueError(f"draft_tokens={n} must be in [1, topk + (depth-1)*topk^2 = {most}]")
+
+    @property
+    def nodes(self) -> int:
+        return self.draft_tokens if self.draft_tokens is not None else self.depth
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def name(self) -> str:
+        return f"chain{self.depth}" if self.is_chain else f"tree{self.depth}x{self.topk}n{self.nodes}"
+
+    @classmethod
+    def parse(cls, text: str) -> SpecShape:
+        """``chain3`` or ``tree4x4n12`` (depth x topk, n nodes), as :attr:`name` writes them."""
+        m = re.fullmatch(r"chain(\d+)|tree(\d+)x(\d+)n(\d+)", text.strip())
+        if not m:
+            raise ValueError(f"speculation shape {text!r}: expected chainD or treeDxKnN (e.g. chain3, tree4x4n12)")
+        if m.group(1):
+            return cls(depth=int(m.group(1)))
+        return cls(depth=int(m.group(2)), topk=int(m.group(3)), draft_tokens=int(m.group(4)))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "depth": self.depth, "topk": self.topk, "draft_tokens": self.nodes}
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: list[int]
+    """Target token id of each node."""
+    parents: list[int]
+    """Parent node index of each node (-1: the root); parents[i] < i."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"bad draft tree: tokens {self.tokens}, parents {self.parents}")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node (children of the root: 1)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+
+def verify_inputs(root: int, tree: DraftTree, past: int, *, device: torch.device | str = "cpu"):
+    """(input_ids [1, N+1], position_ids [1, N+1], mask [1, 1, N+1, past+N+1] bool or None for a chain)
+    of the verify forward over ``[root, nodes...]`` after ``past`` cached tokens."""
+    ids = torch.tensor([[root, *tree.tokens]], device=device)
+    n = len(tree) + 1
+    if tree.is_chain:
+        return ids, None, None  # plain causal attention: the model's own mask and positions
+    depths = [0, *tree.depths()]
+    pos = torch.tensor([[past + d for d in depths]], device=device)
+    block = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(tree.parents, start=1):
+        block[i] |= block[p + 1]  # a node sees what its parent sees (parents come first)
+    mask = torch.cat((torch.ones(n, past, dtype=torch.bool), block), dim=1)[None, None].to(device)
+    return ids, pos, mask
+
+
+def accept(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], int]:
+    """Longest accepted path: (node indices root to leaf, bonus token). ``target[j]`` is the target's
+    argmax after row j of the verify forward (row 0: the root, row i + 1: node i)."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        children.setdefault(p, {}).setdefault(tok, i)  # duplicate siblings: the first wins
+    path: list[int] = []
+    cur = -1
+    while (nxt := children.get(cur, {}).get(target[cur + 1])) is not None:
+        path.append(nxt)
+        cur = nxt
+    return path, int(target[cur + 1])
+
+
+BEST_SHAPE_FILE = Path(__file__).with_name("cpu_shape.json")
+"""The shape the embedded decoder uses by default: the fastest one ``scripts/bench_spec_cpu.py
+--shapes ... --save-shape`` measured (its JSON names the run: command, drafter, date, numbers)."""
+
+
+def measured_best_shape(path: Path = BEST_SHAPE_FILE) -> SpecShape:
+    """The default speculation shape of the embedded decoder (:data:`BEST_SHAPE_FILE`)."""
+    try:
+        return SpecShape.parse(json.loads(path.read_text())["shape"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: no readable best speculation shape ({e}); run scripts/bench_spec_cpu.py "
+                         "--shapes ... --save-shape") from None
+
+
+def save_best_shape(shape: SpecShape, evidence: dict, path: Path = BEST_SHAPE_FILE) -> Path:
+    from eaglenest import contract
+
+    contract.atomic_write_bytes(path, (json.dumps({"shape": shape.name, **shape.to_json(), "measured": evidence},
+                                                  indent=1) + "\n").encode())
+    return path

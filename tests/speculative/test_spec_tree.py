@@ -1,0 +1,197 @@
+"""Tree speculation in the embedded decoder: masks, acceptance, the lean drafter, lossless output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from spec_support import one_thread, random_prompts
+
+from eaglenest.speculative.decoder import SpecDecoder, plain_greedy
+from eaglenest.speculative.draft import load_exported_drafter
+from eaglenest.speculative.drafting import DraftState, Eagle3Proposer, FastDrafter
+from eaglenest.speculative.serve import SpecConfig, load_spec_decoder
+from eaglenest.speculative.tree import DraftTree, SpecShape, accept, measured_best_shape, save_best_shape, verify_inputs
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def test_shapes_parse_validate_and_map_to_sglang_flags():
+    assert SpecShape.parse("chain3") == SpecShape(depth=3)
+    t = SpecShape.parse("tree4x4n12")
+    assert (t.depth, t.topk, t.nodes, t.name) == (4, 4, 12, "tree4x4n12")
+    assert SpecConfig.of(t).shape == t and SpecConfig.of(t).draft_tokens == 13  # SGLang counts the root
+    for bad in ("tree3", "chain", "tree2x2n99"):
+        with pytest.raises(ValueError):
+            SpecShape.parse(bad)
+    with pytest.raises(ValueError, match="chain"):
+        SpecShape(depth=3, draft_tokens=5)
+
+
+def test_best_shape_file_round_trip(tmp_path):
+    path = save_best_shape(SpecShape(depth=4, topk=2, draft_tokens=6), {"speedup": 1.6}, tmp_path / "s.json")
+    assert measured_best_shape(path).name == "tree4x2n6"
+    assert isinstance(measured_best_shape(), SpecShape)  # the shipped file is readable
+    with pytest.raises(ValueError, match="no readable"):
+        measured_best_shape(tmp_path / "missing.json")
+
+
+def test_verify_mask_and_acceptance_by_hand():
+    #        root
+    #      /   |   \
+    #    0:a  1:b  2:c
+    #    / \        |
+    #  3:d 4:e     5:f
+    #  |
+    #  6:g
+    tree = DraftTree([10, 11, 12, 13, 14, 15, 16], [-1, -1, -1, 0, 0, 2, 3])
+    assert tree.depths() == [1, 1, 1, 2, 2, 2, 3] and not tree.is_chain
+    ids, pos, mask = verify_inputs(99, tree, past=5)
+    assert ids.tolist() == [[99, 10, 11, 12, 13, 14, 15, 16]]
+    assert pos.tolist() == [[5, 6, 6, 6, 7, 7, 7, 8]]
+    assert mask.shape == (1, 1, 8, 13) and mask[0, 0, :, :5].all()
+    block = mask[0, 0, :, 5:].int().tolist()
+    assert block[7] == [1, 1, 0, 0, 1, 0, 0, 1]  # g sees root, a, d and itself
+    assert block[6] == [1, 0, 0, 1, 0, 0, 1, 0]  # f sees root, c and itself
+    # target argmax per row (row 0 = root): a, then e after a -> path [0, 4], bonus = row of e
+    target = [10, 14, 0, 0, 0, 77, 0, 0]
+    assert accept(tree, target) == ([0, 4], 77)
+    assert accept(tree, [12, 0, 0, 15, 0, 0, 55, 0]) == ([2, 5], 55)
+    assert accept(tree, [42] * 8) == ([], 42)
+    chain = DraftTree.chain([5, 6, 7])
+    assert chain.is_chain and verify_inputs(1, chain, past=3)[1:] == (None, None)
+    assert accept(chain, [5, 6, 9, 9]) == ([0, 1], 9)
+
+
+def test_fast_drafter_equals_the_reference_drafter(spec_tiny):
+    runner, _, fitted, seqs, plens = spec_tiny
+    draft = load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight)
+    fd = FastDrafter(draft)
+    s, n = seqs[2], plens[2]
+    aux = runner.capture([s])[0].aux_hidden.float()[None]  # [1, T, 3H]
+    from eaglenest.drafter.model import DraftKVCache
+
+    cache, st = DraftKVCache(), DraftState(fd, 2)
+    with torch.inference_mode():
+        ref = draft.extend(torch.tensor([s[1: n + 1]]), aux[:, :n], torch.arange(n)[None], cache)
+        out, logits = fd.forward(st, torch.tensor(s[1: n + 1]), fd.project(aux[0, :n]), torch.arange(n), None)
+        torch.testing.assert_close(logits, ref.logits[0], rtol=1e-5, atol=1e-5)
+        h, h_ref = out[-1:], ref.hidden[:, -1:]
+        for i in range(3):  # chain steps fed back through each cache
+            tok = torch.tensor([s[n + 1 + i]])
+            ref = draft(tok[None], h_ref, torch.tensor([[n + i]]), cache)
+            h, logits = fd.forward(st, tok, h, torch.tensor([n + i]), None)
+            h_ref = ref.hidden
+            torch.testing.assert_close(logits, ref.logits[0], rtol=1e-5, atol=1e-5)
+        assert st.length == cache.length == n + 3
+
+
+@pytest.mark.parametrize("shape", ["tree2x2n3", "tree3x3n9", "tree4x4n16",
+                                   pytest.param("tree5x3n12", marks=pytest.mark.slow),
+                                   pytest.param("tree2x4n8", marks=pytest.mark.slow)])
+def test_tree_speculation_equals_target_only(spec_tiny, shape):
+    runner, untrained, fitted, seqs, plens = spec_tiny
+    longest = 0
+    fitted_prompts = random_prompts(2, seed=301) + [s[:n] for s, n in zip(seqs, plens, strict=True)][:3]
+    for folder, prompts in ((untrained, random_prompts(2, seed=300)), (fitted, fitted_prompts)):
+        dec = load_spec_decoder(runner, folder, shape=shape)
+        assert dec.shape.name == shape
+        for ids in prompts:
+            ref = plain_greedy(runner, ids, max_new_tokens=33, ignore_eos=True).output_ids
+            out = dec.generate(ids, max_new_tokens=33, ignore_eos=True)
+            assert out.output_ids == ref
+            assert sum(out.accepted) + out.verify_ct + 1 == len(ref)
+            longest = max(longest, *out.accepted)
+    assert longest == dec.shape.depth  # whole root-to-leaf paths were accepted
+
+
+def test_trees_accept_more_than_a_chain_of_the_same_depth(spec_tiny):
+    runner, _, fitted, _, _ = spec_tiny
+    prompts = random_prompts(4, seed=400)
+
+    def accept_length(shape):
+        dec = load_spec_decoder(runner, fitted, shape=shape)
+        acc = [a for ids in prompts for a in dec.generate(ids, max_new_tokens=30, ignore_eos=True).accepted]
+        return (sum(acc) + len(acc)) / len(acc)
+
+    assert accept_length("tree3x4n16") > accept_length("chain3")
+
+
+class OracleTreeProposer:
+    """Random trees around the greedy continuation: the true path runs to a random depth (then a
+    corrupted token), with random distractor siblings; the decoder must find exactly that path."""
+
+    def __init__(self, cont: list[int], rng: random.Random, depth: int) -> None:
+        self.cont, self.rng, self.depth, self.pos = cont, rng, depth, 0
+        self.expected: list[int] = []
+
+    def begin(self, prompt_ids, aux_hidden, root):
+        assert root == self.cont[0]
+
+    def propose(self, k):
+        tokens, parents = [], []
+        true_len = self.rng.randint(0, k)
+        self.expected.append(true_len)
+        parent = -1
+        for d in range(1, k + 1):
+            i = self.pos + d
+            truth = self.cont[i] if i < len(self.cont) else 0
+            for _ in range(self.rng.randint(0, 2)):  # distractors hanging under the same parent
+                tokens.append((truth + 1 + self.rng.randint(0, 5)) % 512)
+                parents.append(parent)
+            tokens.append(truth if d <= true_len else (truth + 7) % 512)
+            parents.append(parent)
+            parent = len(tokens) - 1
+            if self.rng.random() < 0.3:  # a child of the previous node, never a true token
+                tokens.append(self.rng.choice([t for t in range(512) if t not in self.cont]))
+                parents.append(max(0, parent - 1))
+        order = sorted(range(len(tokens)), key=lambda j: (parents[j] if parents[j] >= 0 else -1, j))
+        where = {old: new for new, old in enumerate(order)}
+        return DraftTree([tokens[j] for j in order], [where[parents[j]] if parents[j] >= 0 else -1 for j in order])
+
+    def advance(self, tokens, aux_hidden):
+        assert aux_hidden.shape[0] == len(tokens)
+        assert list(tokens) == self.cont[self.pos + 1: self.pos + 1 + len(tokens)]
+        self.pos += len(tokens)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_verify_and_cache_compaction_with_an_oracle(tiny_runner, seed):
+    rng = random.Random(seed)
+    ids = random_prompts(1, seed=500 + seed)[0]
+    cont = plain_greedy(tiny_runner, ids, max_new_tokens=50, ignore_eos=True).output_ids
+    k = rng.randint(2, 5)
+    holder: list[OracleTreeProposer] = []
+
+    def make():
+        holder.append(OracleTreeProposer(cont, rng, k))
+        return holder[-1]
+
+    out = SpecDecoder(tiny_runner, make, shape=SpecShape(depth=k, topk=3, draft_tokens=3 * k)).generate(
+        ids, max_new_tokens=50, ignore_eos=True)
+    assert out.output_ids == cont
+    expected = holder[0].expected
+    assert list(out.accepted[: len(expected)]) == expected and not any(out.accepted[len(expected):])
+    assert max(out.accepted) > 0
+
+
+def test_proposer_tree_is_well_formed(spec_tiny):
+    runner, _, fitted, seqs, plens = spec_tiny
+    fd = FastDrafter(load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight))
+    s, n = seqs[0], plens[0]
+    aux = runner.capture([s])[0].aux_hidden.float()
+    p = Eagle3Proposer(fd, SpecShape(depth=4, topk=3, draft_tokens=10))
+    with torch.inference_mode():
+        p.begin(s[:n], aux[:n], s[n])
+        tree = p.propose(4)
+        assert len(tree) == 10 and max(tree.depths()) <= 4
+        chain = Eagle3Proposer(fd, SpecShape(depth=4))
+        chain.begin(s[:n], aux[:n], s[n])
+        greedy = chain.propose(4).tokens
+        assert tree.tokens[0] == greedy[0]  # the best root child comes first
+        assert len(p.propose(2)) <= 3 + 9 and max(p.propose(1).depths()) == 1
