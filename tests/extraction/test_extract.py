@@ -44,7 +44,7 @@ def test_interrupted_run_resumes_with_only_the_missing_work(tiny_extract_params,
         pass
 
     def kill_midway(p):
-        if p.answered >= 10 and p.done_before + p.answered > p.validated:  # some answered, not validated
+        if p.answered >= 3:  # validation runs in a thread: it may or may not have caught up at this moment
             raise Kill  # the client dies mid-run (SIGKILL-like: nothing after this line runs)
 
     with pytest.raises(Kill):
@@ -59,8 +59,9 @@ def test_interrupted_run_resumes_with_only_the_missing_work(tiny_extract_params,
     assert_complete_and_exact(report, ext_dir)
     missing = report["samples"] - len(in_ledger) - answered_not_validated
     assert report["run"]["reused_shards"] == answered_not_validated  # validated, not requested again
-    assert report["run"]["requests"] == missing == engine.stats["requests"] - sent_before - 1
-    assert engine.stats["requests"] == report["samples"] + 2  # each sample asked for once in all (+2 probes)
+    probe = 1 if report["samples"] > len(in_ledger) else 0  # a resume with every sample in the ledger sends nothing
+    assert report["run"]["requests"] == missing == engine.stats["requests"] - sent_before - probe
+    assert engine.stats["requests"] == report["samples"] + 1 + probe  # each sample asked for once in all (+ probes)
 
 
 def test_stale_temporaries_and_torn_tails_are_ignored_and_cleaned(tiny_extract_params, capture_servers):
