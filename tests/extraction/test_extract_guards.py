@@ -53,7 +53,7 @@ def test_progress_after_a_resume_counts_what_was_done_before(tiny_extract_params
         pass
 
     def stop(p):
-        if p.validated >= 4:
+        if p.validated >= 1:
             raise Stop
 
     with pytest.raises(Stop):
@@ -61,7 +61,10 @@ def test_progress_after_a_resume_counts_what_was_done_before(tiny_extract_params
     before = len(ledger_ids(ext.dir))
     seen = []
     report = run_extraction(params, on_progress=seen.append)
-    assert before > 0 and seen[0].done_before == before and seen[0].validated >= before
+    assert before > 0
+    if before == report["done"]:  # validation (a thread) caught up with every answer before the stop: no work left
+        return
+    assert seen[0].done_before == before and seen[0].validated >= before
     assert seen[-1].validated == seen[-1].total == report["done"]
 
 
