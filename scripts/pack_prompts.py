@@ -2,11 +2,14 @@
 
 For hosts without the registry (the GPU machine) or to pin an exact sample set:
 
-    python scripts/pack_prompts.py --out prompts.jsonl.xz --count 10000 --max-tokens 1024 --max-turns 2
+    python scripts/pack_prompts.py --out prompts.jsonl.xz --count 10000 --max-tokens 1024 --max-turns 2 \
+        --exclude-prompt-set mt-bench --exclude-prompt-set humaneval --exclude-prompt-set sharegpt
 
 Records are read with eaglenest.data (bad records reported and skipped), cut to their first
 ``--max-turns`` assistant turns, rendered with the target's chat template and kept only when the whole
-conversation fits ``--max-tokens`` (nothing is truncated mid-turn). Output records are
+conversation fits ``--max-tokens`` (nothing is truncated mid-turn). A conversation with any user message of an
+``--exclude-prompt-set`` (the sets accept length is reported on; sharegpt = its 200 held-out prompts) is dropped
+and counted, so training data never holds an evaluation prompt. Output records are
 ``{"id", "messages"}``; the extraction's ``source`` accepts the file as it is (compression inferred).
 """
 
@@ -23,6 +26,7 @@ from eaglenest.contract import atomic_write_bytes
 from eaglenest.data import ChatEncoder, read_records
 from eaglenest.data.chat import truncate_turns
 from eaglenest.models import resolve_model
+from eaglenest.speculative.prompts import PROMPT_SETS, user_texts
 
 
 def main() -> None:
@@ -33,12 +37,18 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=10_000)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--max-turns", type=int, default=2)
+    ap.add_argument("--exclude-prompt-set", action="append", default=[], choices=PROMPT_SETS,
+                    help="drop conversations holding a user message of this evaluation set (repeatable)")
     a = ap.parse_args()
     t0 = time.perf_counter()
     enc = ChatEncoder(resolve_model(a.model))
     src = read_records(a.source)
-    kept, too_long, tokens = [], 0, 0
+    excluded_texts = user_texts(a.exclude_prompt_set)
+    kept, too_long, excluded, tokens = [], 0, 0, 0
     for rec in src.records:
+        if any(m.role == "user" and m.content.strip() in excluded_texts for m in rec.messages):
+            excluded += 1
+            continue
         rec = truncate_turns(rec, a.max_turns)
         if not any(m.role == "assistant" for m in rec.messages):
             continue
@@ -58,7 +68,8 @@ def main() -> None:
         data = lzma.compress(data, preset=9)
     atomic_write_bytes(Path(a.out), data)
     print(json.dumps({"kept": len(kept), "tokens": tokens, "mean_tokens": round(tokens / max(len(kept), 1), 1),
-                      "too_long": too_long, "bad_records": len(src.bad), "bytes": len(data),
+                      "too_long": too_long, "excluded_eval_prompts": excluded,
+                      "excluded_sets": a.exclude_prompt_set, "bad_records": len(src.bad), "bytes": len(data),
                       "seconds": round(time.perf_counter() - t0, 1)}))
     if len(kept) < a.count:
         raise SystemExit(f"only {len(kept)} records fit; wanted {a.count}")

@@ -17,7 +17,7 @@ from eaglenest.forms import show_bounds
 
 RESUME_MUTABLE = frozenset({
     "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
-    "threads", "device", "check_store_sha256", "eval_sets",
+    "threads", "device", "check_store_sha256", "eval_sets", "prefetch",
 })
 """Locations (content is checked separately: store fingerprint, target model hash), pacing, and what is
 evaluated besides training (eval sets are only scored, never trained on)."""
@@ -77,6 +77,10 @@ class TrainConfig(BaseModel):
     )
     log_every: int = Field(10, ge=1, description="Log a line every N steps.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    prefetch: bool | None = Field(None, description=(
+        "Read and pad the next step's batches on a helper thread while this step computes (default: on GPUs, "
+        "where reading would otherwise leave the device idle; off on CPUs, whose cores the step already uses). "
+        "Changes nothing that is computed."))
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

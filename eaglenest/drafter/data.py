@@ -13,6 +13,8 @@ accumulation does; the stream position after a step is exactly restorable.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +22,7 @@ from eaglenest import contract
 from eaglenest.drafter.ttt import Batch
 from eaglenest.store.sampler import LengthBucketSampler
 
-__all__ = ["BatchStream", "collate", "prompt_set_view"]
+__all__ = ["BatchStream", "Lookahead", "Staged", "collate", "prompt_set_view", "stage"]
 
 
 class _View:
@@ -46,56 +48,133 @@ def prompt_set_view(store, name: str):
     return _View(store, idx) if idx and len(idx) < len(store) else store
 
 
+@dataclass(slots=True)
+class Staged:
+    """A micro-batch padded on the CPU, not yet on its device: bf16/fp32 states (finite-checked), or an fp8
+    store's codes and scales (half the bytes travel; decoded and checked on the device by :meth:`to_batch`)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool
+    lengths: torch.Tensor  # [B] int64
+    indices: tuple[int, ...]
+    samples: Sequence  # kept only to name a damaged sample
+    dtype: torch.dtype
+    states: tuple[torch.Tensor, torch.Tensor] | None = None  # (aux [B, T, k*H], final [B, T, H])
+    fp8_parts: tuple[torch.Tensor, ...] | None = None  # aux codes, aux scales, final codes, final scales
+
+    def to_batch(self, device: torch.device | str | None = None) -> Batch:
+        """Move (asynchronously from pinned memory) and decode; raises ContractError on NaN/inf states."""
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x if device is None else x.to(device, non_blocking=True)
+
+        if self.fp8_parts is not None:
+            from eaglenest.store.encoding import Fp8States
+
+            aux, final = Fp8States(*(move(x) for x in self.fp8_parts)).decode(self.dtype, device)
+            _check_finite(aux, final, self.samples, self.indices)
+        else:
+            aux, final = (move(x) for x in self.states)
+        return Batch(input_ids=move(self.input_ids), loss_mask=move(self.loss_mask), aux_hidden=aux,
+                     final_hidden=final, lengths=move(self.lengths), indices=self.indices)
+
+
+def _check_finite(aux: torch.Tensor, final: torch.Tensor, samples: Sequence, indices: Sequence[int]) -> None:
+    if not (contract.all_finite(aux) and contract.all_finite(final)):
+        bad = [sid for sid, s in zip(indices, samples, strict=True)
+               if not (contract.all_finite(s.aux_hidden) and contract.all_finite(s.final_hidden))]
+        raise contract.ContractError(f"non-finite hidden states in store samples {bad}; re-validate the store")
+
+
+def stage(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype,
+          pin_memory: bool = False) -> Staged:
+    """Right-pad samples (each cut to its first ``max_seq_len`` tokens) on the CPU (page-locked when
+    ``pin_memory``, so the move to a GPU is asynchronous). Safe to call from a helper thread."""
+    lens = [min(int(s.input_ids.numel()), max_seq_len) for s in samples]
+    b, t = len(samples), max(lens)
+    ids = torch.zeros(b, t, dtype=torch.int64, pin_memory=pin_memory)
+    mask = torch.zeros(b, t, dtype=torch.bool, pin_memory=pin_memory)
+    for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
+        ids[r, :n] = s.input_ids[:n].to(torch.int64)
+        mask[r, :n] = s.loss_mask[:n].to(torch.bool)
+    staged = Staged(input_ids=ids, loss_mask=mask, lengths=torch.tensor(lens, dtype=torch.int64),
+                    indices=tuple(int(i) for i in indices), samples=samples, dtype=dtype)
+    if all(getattr(s, "fp8", None) is not None for s in samples):
+        staged.fp8_parts = _padded_fp8(samples, lens, pin_memory)
+    else:
+        staged.states = _padded_states(samples, lens, dtype, pin_memory)
+        _check_finite(*staged.states, samples, staged.indices)
+    return staged
+
+
 def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype: torch.dtype,
             device: torch.device | str | None = None) -> Batch:
     """Right-pad samples (each cut to its first ``max_seq_len`` tokens) into one Batch on ``device``.
 
     Samples of an fp8 store travel as their codes and scales (half the bytes of bf16) and are decoded on
     ``device``; any other sample's states are padded on the CPU in ``dtype`` and moved."""
-    lens = [min(int(s.input_ids.numel()), max_seq_len) for s in samples]
-    b, t = len(samples), max(lens)
-    ids = torch.zeros(b, t, dtype=torch.int64)
-    mask = torch.zeros(b, t, dtype=torch.bool)
-    for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
-        ids[r, :n] = s.input_ids[:n].to(torch.int64)
-        mask[r, :n] = s.loss_mask[:n].to(torch.bool)
-    if all(getattr(s, "fp8", None) is not None for s in samples):
-        aux, final = _padded_fp8(samples, lens, dtype, device)
-    else:
-        aux, final = _padded_states(samples, lens, dtype)
-    if not (contract.all_finite(aux) and contract.all_finite(final)):
-        bad = [sid for sid, s in zip(indices, samples, strict=True)
-               if not (contract.all_finite(s.aux_hidden) and contract.all_finite(s.final_hidden))]
-        raise contract.ContractError(f"non-finite hidden states in store samples {bad}; re-validate the store")
-    batch = Batch(input_ids=ids, loss_mask=mask, aux_hidden=aux, final_hidden=final,
-                  lengths=torch.tensor(lens, dtype=torch.int64), indices=tuple(int(i) for i in indices))
-    return batch.to(device) if device is not None else batch
+    return stage(samples, indices, max_seq_len=max_seq_len, dtype=dtype).to_batch(device)
 
 
-def _padded_states(samples: Sequence, lens: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_states(samples: Sequence, lens: Sequence[int], dtype: torch.dtype,
+                   pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     b, t, first = len(samples), max(lens), samples[0]
-    aux = torch.zeros(b, t, first.aux_hidden.shape[-1], dtype=dtype)  # [B, T, k*H]
-    final = torch.zeros(b, t, first.final_hidden.shape[-1], dtype=dtype)  # [B, T, H]
+    aux = torch.zeros(b, t, first.aux_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, k*H]
+    final = torch.zeros(b, t, first.final_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, H]
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
         aux[r, :n] = s.aux_hidden[:n].to(dtype)
         final[r, :n] = s.final_hidden[:n].to(dtype)
     return aux, final
 
 
-def _padded_fp8(samples: Sequence, lens: Sequence[int], dtype: torch.dtype,
-                device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad codes and scales on the CPU (zero codes with zero scales decode to the zero padding), move them,
-    decode on the device."""
-    from eaglenest.store.encoding import Fp8States
-
+def _padded_fp8(samples: Sequence, lens: Sequence[int], pin_memory: bool = False) -> tuple[torch.Tensor, ...]:
+    """Codes and scales padded on the CPU (zero codes with zero scales decode to the zero padding)."""
     b, t, first = len(samples), max(lens), samples[0].fp8
-    parts = [torch.zeros(b, t, x.shape[-1], dtype=x.dtype)
-             for x in (first.aux_codes, first.aux_scale, first.final_codes, first.final_scale)]
+    parts = tuple(torch.zeros(b, t, x.shape[-1], dtype=x.dtype, pin_memory=pin_memory)
+                  for x in (first.aux_codes, first.aux_scale, first.final_codes, first.final_scale))
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
         for dst, src in zip(parts, (s.fp8.aux_codes, s.fp8.aux_scale, s.fp8.final_codes, s.fp8.final_scale),
                             strict=True):
             dst[r, :n] = src[:n]
-    return Fp8States(*parts).decode(dtype, device)
+    return parts
+
+
+class Lookahead:
+    """The optimizer steps' micro-batches, the next step's staged on a helper thread while this one computes.
+
+    ``next()`` hands out one step's index lists and ``stage_fn(index lists)`` (what the step reads, e.g. this
+    rank's :class:`Staged` batches). With ``ahead`` the stream
+    is advanced for the following step at once and its batches are padded (and page-locked) on one helper
+    thread, so reading and padding overlap the device's work. :meth:`state_dict` is the stream's state as of
+    the last step handed out, never of the prefetched one: a checkpoint resumes exactly where a run without
+    look-ahead would. What is computed does not depend on ``ahead``."""
+
+    def __init__(self, stream: BatchStream, per_step: int, stage_fn, *, ahead: bool) -> None:
+        self.stream, self.per_step, self.stage_fn = stream, per_step, stage_fn
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eaglenest-stage") if ahead else None
+        self._next: tuple[list[list[int]], Future] | None = None
+        self._state: dict | None = None
+        self.epoch = stream.epoch
+
+    def next(self, *, more: bool = True) -> tuple[list[list[int]], object]:
+        """This step's micro-batches; ``more=False`` says no step follows (nothing is prefetched)."""
+        if self._next is not None:
+            micro, fut = self._next
+            self._next = None
+            staged = fut.result()
+        else:
+            micro, fut = self.stream.take(self.per_step), None
+        self._state, self.epoch = self.stream.state_dict(), self.stream.epoch
+        if self._pool is not None and more:
+            following = self.stream.take(self.per_step)
+            self._next = (following, self._pool.submit(self.stage_fn, following))
+        return micro, staged if fut is not None else self.stage_fn(micro)
+
+    def state_dict(self) -> dict:
+        return self._state if self._state is not None else self.stream.state_dict()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class BatchStream:

@@ -38,7 +38,7 @@ from eaglenest import contract
 from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
-from eaglenest.drafter.data import BatchStream, collate
+from eaglenest.drafter.data import BatchStream, Lookahead, stage
 from eaglenest.drafter.evaluate import evaluate
 from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
 from eaglenest.drafter.train_state import (
@@ -159,6 +159,8 @@ class Trainer:
         self.weights = [config.step_decay**i for i in range(k)]
         self.t_loop = clock()
         self.tokens_at_start = 0
+        ahead = config.prefetch if config.prefetch is not None else device.type == "cuda"
+        self.batches = Lookahead(stream, config.grad_accum * d.world, self._stage_micro, ahead=ahead)
 
     # ---- setup ----------------------------------------------------------------------------------
     @classmethod
@@ -234,14 +236,22 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
+    def _stage_micro(self, micro: list[list[int]]) -> list:
+        """This rank's micro-batches of one step, padded on the CPU (on the look-ahead thread when
+        prefetching; page-locked for a GPU)."""
+        cfg, r = self.config, self.d.rank
+        out = []
+        for mb in micro[r * cfg.grad_accum : (r + 1) * cfg.grad_accum]:
+            idx = [self.train_idx[j] for j in mb]
+            out.append(stage([self.store[i] for i in idx], idx, max_seq_len=cfg.max_seq_len, dtype=self.head_dtype,
+                             pin_memory=self.device.type == "cuda"))
+        return out
+
     def step(self) -> dict:
         """One optimizer step; returns its train event. Raises NonFiniteLoss before stepping on NaN/inf."""
         cfg, d, k, store = self.config, self.d, self.config.ttt_steps, self.store
-        per_step = cfg.grad_accum * d.world
-        micro = self.stream.take(per_step)
-        mine = micro[d.rank * cfg.grad_accum : (d.rank + 1) * cfg.grad_accum]
-        batches = [collate([store[self.train_idx[j]] for j in mb], [self.train_idx[j] for j in mb],
-                           max_seq_len=cfg.max_seq_len, dtype=self.head_dtype, device=self.device) for mb in mine]
+        micro, staged = self.batches.next(more=self.step_no + 1 < self.total)
+        batches = [s.to_batch(self.device) for s in staged]
         counts = sum(step_counts(b.loss_mask, k) for b in batches).to(torch.float64)  # [k]
         ntok = torch.tensor(float(sum(b.num_tokens for b in batches)), dtype=torch.float64)
         if d.world > 1:
@@ -281,7 +291,7 @@ class Trainer:
         rec = {"step": self.step_no, "loss": float(stats[0]), "lr": lr_used, "grad_norm": float(grad_norm),
                "tokens": int(ntok)}
         self.history.append(rec)
-        event = {"kind": "train", **rec, "total_steps": self.total, "epoch": self.stream.epoch, "batches": micro,
+        event = {"kind": "train", **rec, "total_steps": self.total, "epoch": self.batches.epoch, "batches": micro,
                  "step_loss": [float(stats[2 + i]) / c[i] for i in range(k)],
                  "step_acc": [float(stats[2 + k + i]) / c[i] for i in range(k)]}
         self.emit(event)
@@ -327,7 +337,7 @@ class Trainer:
     def save(self, last_eval: dict | None) -> Path | None:
         path = None
         if self.d.rank == 0:
-            trainer_state = {"scheduler": self.scheduler.state_dict(), "stream": self.stream.state_dict(),
+            trainer_state = {"scheduler": self.scheduler.state_dict(), "stream": self.batches.state_dict(),
                              "rng_torch": torch.get_rng_state(), "rng_python": random.getstate()}
             state = {"config": self.config.drift_view(), "drafter_config": self.dcfg.to_dict(),
                      "store_fingerprint": self.fingerprint, "provenance": json.loads(self.store.provenance.to_json()),
@@ -355,16 +365,19 @@ class Trainer:
         cfg = self.config
         status, last_eval, last_eval_step = "done", None, -1
         self.t_loop = self.clock()
-        while self.step_no < self.total:
-            self.step()
-            late = self.out_of_time()
-            if cfg.eval_every and self.step_no % cfg.eval_every == 0 and self.step_no < self.total:
-                last_eval, last_eval_step = self.evaluate(), self.step_no
-            if late and self.step_no < self.total:
-                status = "time_budget"
-                break
-            if self.step_no % cfg.save_every == 0 and self.step_no < self.total:
-                self.save(last_eval)
+        try:
+            while self.step_no < self.total:
+                self.step()
+                late = self.out_of_time()
+                if cfg.eval_every and self.step_no % cfg.eval_every == 0 and self.step_no < self.total:
+                    last_eval, last_eval_step = self.evaluate(), self.step_no
+                if late and self.step_no < self.total:
+                    status = "time_budget"
+                    break
+                if self.step_no % cfg.save_every == 0 and self.step_no < self.total:
+                    self.save(last_eval)
+        finally:
+            self.batches.close()
         if last_eval is None or last_eval_step != self.step_no:
             last_eval = self.evaluate() or last_eval
         path = self.save(last_eval)

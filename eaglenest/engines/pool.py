@@ -476,3 +476,17 @@ def sglang_flags(
     if log_level:
         flags += ["--log-level", log_level]
     return flags
+
+
+def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[str]:
+    """``args`` plus what lets one server decode ``concurrency`` requests as ONE batch, for each flag the user
+    did not set: ``--max-running-requests`` (admit them all) and ``--cuda-graph-max-bs`` (SGLang replays a CUDA
+    graph only for batches up to that size and decodes larger ones eagerly, several times slower for a small
+    target; its default is below the 512-1024 requests regeneration keeps in flight)."""
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    out = list(args)
+    if "--max-running-requests" not in given:
+        out += ["--max-running-requests", str(concurrency)]
+    if "--cuda-graph-max-bs" not in given and "--disable-cuda-graph" not in given:
+        out += ["--cuda-graph-max-bs", str(min(concurrency, 1024))]
+    return out

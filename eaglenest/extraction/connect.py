@@ -50,7 +50,7 @@ def _tp_size(args: Sequence[str]) -> int:
 
 def launch_specs(ext: Extraction) -> list[LaunchSpec]:
     """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
-    from eaglenest.engines.pool import ServerProcess, embedded_command, local_server
+    from eaglenest.engines.pool import ServerProcess, embedded_command, local_server, sglang_decode_batch_flags
 
     p = ext.params
 
@@ -67,6 +67,8 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             from eaglenest.engines import sglang_launcher
 
             args = list(p.sglang_args)
+            if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
+                args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
             if p.num_servers > 1 and "--base-gpu-id" not in args:  # data parallel: one GPU set per server
                 args += ["--base-gpu-id", str(i * _tp_size(args))]
             cmd, env = sglang_launcher.build_command(

@@ -127,6 +127,16 @@ def load_prompt_set(name: str, *, limit: int | None = None) -> PromptSet:
     return PromptSet(name=ps.name, source=ps.source, prompts=ps.prompts[:limit] if limit else ps.prompts)
 
 
+def user_texts(names: Sequence[str], *, limit: int | None = None) -> set[str]:
+    """Every user message (stripped) of the named prompt sets: what training data must not contain, so that
+    an accept length reported on a set was never trained on (``scripts/pack_prompts.py --exclude-prompt-set``)."""
+    out: set[str] = set()
+    for name in names:
+        for prompt in load_prompt_set(name, limit=limit).prompts:
+            out.update(str(m["content"]).strip() for m in prompt.messages if m["role"] == "user")
+    return out
+
+
 def tokenize(ps: PromptSet, tokenizer: Any, *, max_prompt_tokens: int | None = None) -> list[list[int]]:
     """Chat-templated token ids (generation prompt added); prompts longer than the cap are dropped."""
     out = []

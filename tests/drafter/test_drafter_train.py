@@ -62,6 +62,24 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, tiny_model_dir,
     assert full.eval == resumed.eval and full.eval["anchors"] > 0
 
 
+def test_look_ahead_computes_the_same_run_and_resumes_exactly(tmp_path, tiny_model_dir, drafter_store):
+    """Batches staged on the helper thread one step ahead: the same batches, losses and weights as reading
+    them in the step; a run cut after step 5 (its stream already advanced for step 6) resumes exactly."""
+    plain, plain_steps = train_events(config(tmp_path / "a", tiny_model_dir, prefetch=False), drafter_store)
+    ahead_cfg = config(tmp_path / "b", tiny_model_dir, prefetch=True)
+    ahead, ahead_steps = train_events(ahead_cfg, drafter_store)
+    assert ahead.status == "done" and ahead.step == 6
+    assert [(e["batches"], e["loss"]) for e in plain_steps] == [(e["batches"], e["loss"]) for e in ahead_steps]
+    wa, wb = weights(tmp_path / "a" / "run"), weights(ahead_cfg.out_dir)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    cut_cfg = config(tmp_path / "c", tiny_model_dir, prefetch=True)
+    train_events(cut_cfg, drafter_store, stop_at=5)
+    resumed, second = train_events(cut_cfg, drafter_store)
+    assert [e["step"] for e in second] == [5, 6]
+    assert [(e["batches"], e["loss"]) for e in second] == [(e["batches"], e["loss"]) for e in plain_steps[4:]]
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in plain.history]
+
+
 def test_resume_with_changed_config_is_refused_naming_the_field(tmp_path, tiny_model_dir, drafter_store):
     cfg = config(tmp_path, tiny_model_dir, max_steps=2)
     train(cfg, store=drafter_store)

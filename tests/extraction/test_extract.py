@@ -232,6 +232,16 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     # data parallel on one host: each server gets its own GPUs
     assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
     assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
+    # regeneration decodes: every request in flight is admitted and replayed in one CUDA graph batch, unless
+    # the user said otherwise
+    calls.clear()
+    regen = with_(tiny_extract_params, engine="sglang", concurrency=768, extraction_id="r",
+                  regeneration={"enabled": True}, sglang_args=["--cuda-graph-max-bs=256"])
+    launch_specs(open_extraction(regen))[0].make(31000)
+    assert calls[0]["sglang_args"] == ["--cuda-graph-max-bs=256", "--max-running-requests", "768"]
+    calls.clear()
+    launch_specs(open_extraction(with_(regen, extraction_id="s", sglang_args=[])))[0].make(31000)
+    assert calls[0]["sglang_args"] == ["--max-running-requests", "768", "--cuda-graph-max-bs", "768"]
 
 
 def test_resume_on_a_server_with_other_numerics_is_refused(tiny_extract_params, capture_servers, tiny_model_dir):

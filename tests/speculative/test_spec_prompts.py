@@ -44,6 +44,13 @@ def test_named_sets_from_package_files(fake_sets):
         P.load_prompt_set("alpaca")
 
 
+def test_user_texts_are_what_training_data_must_not_hold(fake_sets):
+    texts = P.user_texts(["mt-bench", "humaneval"])
+    he = P.load_prompt_set("humaneval").prompts[0].messages[0]["content"].strip()
+    assert texts == {"q0", "q1", "q2", he}
+    assert P.user_texts([]) == set()
+
+
 def test_truncated_sharegpt_is_read_up_to_the_last_complete_record(tmp_path):
     convs = [{"id": f"c{i}", "conversations": [{"from": "human" if i != 2 else "gpt", "value": f"hello {i % 4}"},
                                                {"from": "gpt", "value": "hi"}]} for i in range(7)]

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One device session on the H200 as four back-to-back `run` calls (the machine keeps /tmp while warm):
+#
+#   setup  carry .device/site.tar.xz .device/bin .device/gguf1   unpack the SGLang kit, first GGUF half
+#   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
+#                                                                 runs); bf16 and fp8 stores; calibration capture
+#   train  carry .device/bin                                     drafters on both stores at once (gpu_sweep),
+#                                                                 eval sets = the calibration capture; export
+#   bench  carry .device/bin .gpu                                live grid (baseline vs EAGLE3, 3 prompt sets,
+#                                                                 concurrency 1 and 16), calibration vs live
+#
+#   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
+#                                             prompts`)
+# What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
+# (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts.
+# Knobs (environment): LIMIT (10000), CONC (1024), EPOCHS (4), TRAIN_MINUTES (6, a safety stop), GRID
+# (a gpu_sweep grid JSON, default bf16 and fp8 stores at draft vocab 16000), NUM_PROMPTS (80), STEPS (3).
+set -euo pipefail
+STEP=${1:?usage: gpu_session.sh setup|data|train|bench}
+OUT=${OUT:-/tmp/out}
+W=/tmp/eaglenest-session
+R=$W/results/$STEP
+mkdir -p "$OUT" "$R"
+trap 'cp "$W/commands.txt" "$R/" 2>/dev/null; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"' EXIT
+# shellcheck disable=SC1091
+source .device/bin/device_setup.sh
+export PYTHONPATH="/tmp/site:$PWD"
+SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
+MODEL=/tmp/smol/model
+
+run() {  # log the exact command line, then run it
+  echo "$(date -u +%FT%TZ) $*" | tee -a "$W/commands.txt" >&2
+  "$@"
+}
+
+case "$STEP" in
+setup)
+  mkdir -p /tmp/smol && cp .device/gguf1/smol.part00 /tmp/smol/
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
+  git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
+  ;;
+data)
+  cp .device/gguf2/smol.part01 /tmp/smol/ && rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
+  run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+  run python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
+    --limit "${LIMIT:-10000}" --max-turns 1 --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
+    --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
+    "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
+    --sglang-arg=8192 || echo "extract exited $?" >&2
+  cp /tmp/ext/regen/report.json "$R/extraction.json"
+  # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
+  run python3 -c "
+from eaglenest.speculative.calibration import CaptureSettings, capture_answers
+s = CaptureSettings(model='$MODEL', engine='sglang', max_new_tokens=256, batch_size=512, concurrency=256,
+                    sglang_args=['--attention-backend', 'triton', '--sampling-backend', 'pytorch',
+                                 '--mem-fraction-static', '0.3'])
+folder, rep = capture_answers('/tmp/gpu/calib.jsonl', s, '/tmp/calib')
+print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
+  calib=$!
+  run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial
+  run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
+  wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
+  tail -3 "$W/calib.log"
+  cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
+  du -sb /tmp/ext/regen /tmp/store-bf16 /tmp/store-fp8 | tee "$R/sizes.txt"
+  for v in bf16 fp8; do python3 -m eaglenest store info "/tmp/store-$v" > "$R/store-$v.txt" 2>&1 || true; done
+  ;;
+train)
+  grid=${GRID:-$W/grid.json}
+  [ -f "$grid" ] || echo '{"bf16": {"draft_vocab_size": 16000},
+    "fp8": {"draft_vocab_size": 16000, "store": "/tmp/store-fp8"}}' > "$grid"
+  evals=()
+  [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
+    evals+=(--eval-set "$s=/tmp/calib/calibration"); done
+  run env OUT="$R" python3 scripts/gpu_sweep.py --store /tmp/store-bf16 --target "$MODEL" --grid "$grid" \
+    "${evals[@]}" --epochs "${EPOCHS:-4}" --eval-every 200 --max-minutes "${TRAIN_MINUTES:-6}" --work /tmp/sweep
+  for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
+  for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
+    run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
+  done
+  # the first config's drafter comes back (parts of <= 15 MB) for the CPU benchmark
+  first=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])))))" "$grid")
+  tar -C /tmp/export -cf - "$first" | split -b 15M - "$OUT/drafter-$first.tar.part"
+  ;;
+bench)
+  for name in ${DRAFTERS:-bf16}; do
+    sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
+    [ "$name" = bf16 ] || sets=/tmp/gpu/mt-bench.jsonl
+    base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
+    mkdir -p "$R/grid-$name" "$R/calib-$name"
+    run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "/tmp/export/$name" \
+      --prompts "$sets" --num-prompts "${NUM_PROMPTS:-80}" --concurrency 1,16 --steps "${STEPS:-3}" \
+      --max-new-tokens 256 "${base[@]}" || echo "grid $name exited $?" >&2
+    cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
+    run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "/tmp/export/$name" \
+      --prompts /tmp/gpu/calib.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
+      || echo "calibration $name exited $?" >&2
+  done
+  ;;
+*) echo "unknown step $STEP" >&2; exit 2 ;;
+esac
