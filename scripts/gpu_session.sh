@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session on the H200 as four back-to-back `run` calls (the machine keeps /tmp while warm):
 #
-#   setup  carry .device/site.tar.xz .device/bin .device/gguf1   unpack the SGLang kit, first GGUF half
+#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 (64 MiB a call):
+#                                                                 unpack the SGLang kit; the first GGUF half
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
 #   train  carry .device/bin                                     drafters on both stores at once (gpu_sweep),
@@ -35,7 +36,7 @@ run() {  # log the exact command line, then run it
 
 case "$STEP" in
 setup)
-  mkdir -p /tmp/smol && cp .device/gguf1/smol.part00 /tmp/smol/
+  mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
