@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
 mkdir -p "$OUT" "$R"
-trap 'cp "$W/commands.txt" "$R/" 2>/dev/null; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"' EXIT
+trap 'cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"' EXIT
 # shellcheck disable=SC1091
 source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
