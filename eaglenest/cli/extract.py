@@ -26,6 +26,7 @@ EXTRACT_FLAGS = {
     "sglang_args": "--sglang-arg", "regeneration.enabled": "--regenerate",
     "regeneration.temperature": "--regen-temperature", "regeneration.top_p": "--regen-top-p",
     "regeneration.max_new_tokens": "--regen-max-new-tokens", "regeneration.seed": "--regen-seed",
+    "regeneration.cut_answers": "--regen-cut-answers",
 }
 """Option names that differ from the field names (shorter, or singular for repeatable options)."""
 

@@ -29,6 +29,7 @@ import ctypes
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -489,4 +490,40 @@ def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[
         out += ["--max-running-requests", str(concurrency)]
     if "--cuda-graph-max-bs" not in given and "--disable-cuda-graph" not in given:
         out += ["--cuda-graph-max-bs", str(min(concurrency, 1024))]
+    return out
+
+
+def sglang_tp_size(args: Sequence[str]) -> int:
+    """The tensor-parallel size ``args`` ask for (1 when they do not say)."""
+    m = re.search(r"--(?:tp-size|tensor-parallel-size|tp)[ =](\d+)", " ".join(args))
+    return int(m.group(1)) if m else 1
+
+
+def visible_gpus() -> int:
+    """GPUs a launched server may use: CUDA_VISIBLE_DEVICES when set, else what torch sees (0 without CUDA)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([x for x in env.split(",") if x.strip() and x.strip() != "-1"])
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def sglang_placement_flags(args: Sequence[str], *, index: int, num_servers: int, gpus: int) -> list[str]:
+    """``args`` for server ``index`` of ``num_servers`` launched on one host with ``gpus`` GPUs, unless the user
+    placed them: servers take their GPUs in turn (``--base-gpu-id``), and where several share a GPU each gets an
+    equal share of its memory (``--mem-fraction-static``). Several servers on one GPU pay for a small target:
+    one SGLang scheduler is a single Python thread, and a 135M model leaves an H200 mostly idle at its pace."""
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    out = list(args)
+    if num_servers <= 1 or "--base-gpu-id" in given:
+        return out
+    tp = sglang_tp_size(args)
+    out += ["--base-gpu-id", str((index * tp) % gpus if gpus else index * tp)]
+    per_gpu = -(-num_servers * tp // gpus) if gpus else 1
+    if per_gpu > 1 and "--mem-fraction-static" not in given:
+        out += ["--mem-fraction-static", f"{0.85 / per_gpu:.2f}"]
     return out

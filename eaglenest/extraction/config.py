@@ -35,7 +35,10 @@ class RegenerationParams(BaseModel):
         "Sampling temperature; 0 = greedy (> 0: each sample and turn sampled with its own seed)."))
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (temperature > 0 only).")
     max_new_tokens: int = Field(_DEFAULT.max_new_tokens, ge=1, le=65536, description=(
-        "Most new tokens per generated answer (an answer cut there skips its sample)."))
+        "Most new tokens per generated answer."))
+    cut_answers: Literal["keep", "skip"] = Field(_DEFAULT.cut_answers, description=(
+        "An answer cut at max_new_tokens or at the token cap: keep = train on what the target wrote (the sample "
+        "ends with it; nothing after it); skip = leave the sample out (in a later turn: keep the turns before)."))
     seed: int = Field(0, ge=0, description="Base seed; each sample and turn derive their own from it.")
 
 

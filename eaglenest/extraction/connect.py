@@ -8,8 +8,6 @@ serialized), :func:`make_pool` (given URLs or launched servers recorded in ``ser
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -42,15 +40,16 @@ class RunContext:
 
 
 # ------------------------------------------------------------------------------ servers
-def _tp_size(args: Sequence[str]) -> int:
-    text = " ".join(args)
-    m = re.search(r"--(?:tp-size|tensor-parallel-size|tp)[ =](\d+)", text)
-    return int(m.group(1)) if m else 1
-
-
 def launch_specs(ext: Extraction) -> list[LaunchSpec]:
     """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
-    from eaglenest.engines.pool import ServerProcess, embedded_command, local_server, sglang_decode_batch_flags
+    from eaglenest.engines.pool import (
+        ServerProcess,
+        embedded_command,
+        local_server,
+        sglang_decode_batch_flags,
+        sglang_placement_flags,
+        visible_gpus,
+    )
 
     p = ext.params
 
@@ -69,8 +68,8 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             args = list(p.sglang_args)
             if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
                 args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
-            if p.num_servers > 1 and "--base-gpu-id" not in args:  # data parallel: one GPU set per server
-                args += ["--base-gpu-id", str(i * _tp_size(args))]
+            # data parallel: GPUs in turn, several servers sharing one when there are more servers than GPUs
+            args = sglang_placement_flags(args, index=i, num_servers=p.num_servers, gpus=visible_gpus())
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
                 aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
@@ -126,7 +125,7 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
         r = p.regeneration
         ctx.encoder = ChatEncoder(ext.model_dir)
         ctx.regen_config = RegenConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                       seed=r.seed)
+                                       seed=r.seed, keep_cut=r.cut_answers == "keep")
         # the argmax check multiplies every answer token by the [V, H] LM head: on a GPU host this is the
         # validation's main cost on the CPU, so it runs on the GPU when there is one
         head = load_lm_head(ext.model_dir)

@@ -14,12 +14,13 @@ the finished :class:`Sample`, or a :class:`Skipped` decision. Every answer is ha
 (to persist it) before it is used, and answers given back through ``answers`` are replayed without a
 request: a resumed run never asks for an answer it already has.
 
-Invariants: a turn is generated only if prompt + ``min_new_tokens`` fits the token limit; a first answer
-cut by ``max_new_tokens`` or by the limit, or empty, skips the sample (kinds ``truncated`` /
-``too_long`` / ``empty_answer``); a later turn that does not fit, or whose answer is cut or empty, is
-dropped with the rest of the conversation (``meta['dropped_turns']``, ``meta['cut']``): a cut answer is
-never trained on;
-sampled generation uses a per-sample, per-turn seed, so a re-run asks for the same thing.
+Invariants: a turn is generated only if prompt + ``min_new_tokens`` fits the token limit; an empty answer
+skips the sample in the first turn (``empty_answer``) and drops the rest of the conversation later. An
+answer cut by ``max_new_tokens`` or by the limit is, with ``keep_cut`` (the default), spliced as the
+sample's last turn: loss on the ids the target wrote, no end of turn (it did not end), later turns dropped
+(``meta['cut']``, ``meta['cut_kept']``); without ``keep_cut`` it is never trained on (first turn: the sample is
+skipped as ``truncated`` / ``too_long``; later: that turn and the rest are dropped). Sampled generation uses
+a per-sample, per-turn seed, so a re-run asks for the same thing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class RegenConfig:
     min_new_tokens: int = 16
     """A turn is generated only if at least this many new tokens fit."""
     seed: int = 0
+    keep_cut: bool = True
+    """Train on an answer cut by max_new_tokens or the token limit (as the sample's last turn)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,8 @@ class _State:
     dropped: int = 0
     cut: str | None = None
     """Why the turns from ``turn`` on were dropped (truncated | empty_answer | too_long), if an answer was cut."""
+    cut_kept: bool = False
+    """The cut answer itself is the sample's last turn (keep_cut)."""
     ids: list[int] = field(default_factory=list)
     """Token ids so far: rendered template text tokenized piecewise + the target's own answer ids."""
     text: str = ""
@@ -115,6 +120,8 @@ class RegenStats:
     skipped: int = 0
     turns_cut: int = 0
     """Later turns whose answer was cut or empty: dropped with the rest of their conversation."""
+    cut_kept: int = 0
+    """Answers cut by max_new_tokens or the token limit, kept as their sample's last turn (keep_cut)."""
 
 
 class Regenerator:
@@ -229,10 +236,11 @@ class Regenerator:
                        priority=self.priority)
         return None
 
-    def _drop_rest(self, st: _State) -> None:
-        """This turn and every later one are left out (the conversation so far is the sample)."""
+    def _drop_rest(self, st: _State, *, keep_this: bool = False) -> None:
+        """Every later turn is left out, and this one too unless ``keep_this`` (the conversation so far is the
+        sample)."""
         orig = st.sample.messages
-        st.dropped = sum(1 for x in orig[st.i - 1:] if x.role == "user")
+        st.dropped = sum(1 for x in orig[st.i if keep_this else st.i - 1:] if x.role == "user")
         st.i = len(orig)
         st.pending = None
 
@@ -248,6 +256,9 @@ class Regenerator:
                 f"the answer to turn {st.turn} was cut at max_new_tokens={budget}", "truncated")
         elif not content.strip():
             problem = SampleError(f"the target's answer to turn {st.turn} is empty", "empty_answer")
+        if problem is not None and problem.kind != "empty_answer" and self.config.keep_cut:
+            self._splice_cut(st, ans, problem.kind)
+            return
         if problem is not None:
             if st.turn == 0:
                 raise problem
@@ -272,6 +283,22 @@ class Regenerator:
         st.text, st.rendered, st.pending = full, len(st.out), None
         st.turn += 1
 
+    def _splice_cut(self, st: _State, ans: TurnAnswer, kind: str) -> None:
+        """A cut answer as the sample's last turn: its ids as generated under the loss, nothing after them (the
+        target did not end the turn, so no end-of-turn token is added or trained on)."""
+        text, delta, _ = st.pending
+        ids = ans.output_ids if ans.output_ids is not None else self._tokens(ans.text)
+        start = len(st.ids) + len(delta)
+        st.ids = st.ids + delta + ids
+        if ids:
+            st.spans.append((start, start + len(ids)))
+        st.out.append(Message("assistant", ans.text))
+        st.text, st.rendered = text + ans.text, len(st.out)
+        st.turn += 1
+        st.cut, st.cut_kept = kind, True
+        self.stats.cut_kept += 1
+        self._drop_rest(st, keep_this=True)
+
     def _finish(self, st: _State) -> Sample | Skipped:
         if not st.spans:
             least = min(self.config.min_new_tokens, self.config.max_new_tokens)
@@ -281,6 +308,7 @@ class Regenerator:
             return self._skip(st, SampleError(f"{len(st.ids)} tokens after regeneration > limit {self.max_tokens}",
                                               "too_long"))
         self.stats.samples += 1
-        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped, **({"cut": st.cut} if st.cut else {})}
+        meta = {"regen_turns": st.turn, "dropped_turns": st.dropped, **({"cut": st.cut} if st.cut else {}),
+                **({"cut_kept": True} if st.cut_kept else {})}
         return st.sample.with_ids(st.ids, st.spans, messages=tuple(st.out[: st.rendered]), regenerated=True,
                                   meta=meta)

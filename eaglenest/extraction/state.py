@@ -355,6 +355,8 @@ class Counts:
     """Answers persisted by an earlier run and reused without a request."""
     turns_cut: int = 0
     """Later turns whose answer was cut or empty (dropped with the rest of their conversation)."""
+    cut_kept: int = 0
+    """Answers cut by max_new_tokens or the token cap, kept as the last turn of their sample."""
     prefill_s: float = 0.0
     """Seconds from the first capture request to the last capture answer (overlaps regeneration)."""
     validate_s: float = 0.0

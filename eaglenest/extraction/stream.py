@@ -314,5 +314,6 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
         c.generated_tokens = regenerator.stats.generated_tokens
         c.replayed_answers = regenerator.stats.replayed
         c.turns_cut = regenerator.stats.turns_cut
+        c.cut_kept = regenerator.stats.cut_kept
     c.prefill_s = phases.prefill.seconds
     return res

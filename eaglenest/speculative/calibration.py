@@ -46,9 +46,10 @@ class CaptureSettings(BaseModel):
     server_urls: list[str] = Field([], description="already-running capture servers (default: launch one)")
     max_new_tokens: int = Field(256, ge=1, le=8192, description=(
         "answer cap: the live benchmark's max_new_tokens (the simulation scores the first this many answer tokens)"))
-    answer_max_new_tokens: int = Field(2048, ge=1, le=65536, description=(
-        "how long the target may answer at capture: the extraction skips an answer cut at its limit, so the answers "
-        "are generated whole and the simulation cuts them at max_new_tokens, as the live benchmark does"))
+    answer_max_new_tokens: int | None = Field(None, ge=1, le=65536, description=(
+        "how long the target may answer at capture (default: max_new_tokens, where the live benchmark cuts its "
+        "answers; an answer cut there is kept, as live keeps it, and the simulation scores the first "
+        "max_new_tokens tokens of each answer)"))
     max_tokens: int | None = Field(None, ge=8, description="prompt + answer token limit (default: the context)")
     batch_size: int = Field(256, ge=1, le=4096, description="samples per capture batch")
     concurrency: int = Field(64, ge=1, le=1024, description="requests in flight per server")
@@ -93,8 +94,9 @@ def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: s
         source=str(source), source_format="jsonl", limit=None, max_turns=1, model=settings.model,
         engine=settings.engine, server_urls=list(settings.server_urls), dtype=settings.dtype,
         batch_size=settings.batch_size, concurrency=settings.concurrency, max_tokens=settings.max_tokens,
-        regeneration=RegenerationParams(enabled=True, temperature=0.0,
-                                        max_new_tokens=max(settings.answer_max_new_tokens, settings.max_new_tokens)),
+        regeneration=RegenerationParams(
+            enabled=True, temperature=0.0, cut_answers="keep",
+            max_new_tokens=max(settings.answer_max_new_tokens or 0, settings.max_new_tokens)),
         extraction_id=settings.extraction_id, output_dir=str(output_dir), sglang_args=list(settings.sglang_args),
         server_capture_dir=settings.server_capture_dir,
     )
@@ -131,10 +133,8 @@ class _CappedAnswers:
         return len(self._store)
 
     def __getitem__(self, i: int):
-        import dataclasses
-
         s = self._store[i]
-        return dataclasses.replace(s, loss_mask=cap_turns(s.loss_mask, self._cap))
+        return s.with_loss_mask(cap_turns(s.loss_mask, self._cap))
 
 
 def cap_turns(loss_mask, cap: int):

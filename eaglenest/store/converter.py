@@ -309,9 +309,11 @@ def convert(
     bytes_in = bytes_written = 0
     cpu_encoding = encoding == "fp8" and dev.type == "cpu"
     if todo:
+        # fp8: several samples in flight (on a GPU each one's copies in and out wait for the device; on a CPU
+        # the encoding itself is the work); bf16 only reads and checks, which one helper keeps up with
         stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
                                  transform=partial_fn(sample_columns, encoding, dev),
-                                 workers=min(8, os.cpu_count() or 1) if cpu_encoding else 1)
+                                 workers=min(8, os.cpu_count() or 1) if encoding == "fp8" else 1)
         slot = {pf.key: j for j, pf in enumerate(planned)}
         with _one_torch_thread() if cpu_encoding else contextlib.nullcontext():
             try:

@@ -163,6 +163,14 @@ class StoreSample:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def with_loss_mask(self, loss_mask: torch.Tensor) -> StoreSample:
+        """The same sample (its states shared, nothing decoded) with another loss mask [T] bool."""
+        if loss_mask.shape != self.loss_mask.shape:
+            raise ValueError(f"loss mask of shape {tuple(loss_mask.shape)} for a sample of {self.num_tokens} tokens")
+        if self.fp8 is not None:
+            return StoreSample(self.sample_id, self.input_ids, loss_mask, fp8=self.fp8)
+        return StoreSample(self.sample_id, self.input_ids, loss_mask, self._aux, self._final)
+
     def __repr__(self) -> str:
         kind = "fp8" if self.fp8 is not None else str(self._aux.dtype).removeprefix("torch.")
         return f"StoreSample({self.sample_id!r}, {self.num_tokens} tokens, {kind})"

@@ -166,9 +166,10 @@ def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_par
     assert Counter(e["sample_id"] for e in entries).most_common(1)[0][1] == 1
 
 
-def test_answers_cut_by_max_new_tokens_are_skipped_with_their_reason(tiny_extract_params, capture_servers, tmp_path):
-    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
-                   regeneration={"enabled": True, "max_new_tokens": 4})
+def test_answers_cut_by_max_new_tokens_are_kept_or_skipped_with_their_reason(tiny_extract_params, capture_servers,
+                                                                            tmp_path):
+    params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None, extraction_id="skip",
+                   regeneration={"enabled": True, "max_new_tokens": 4, "cut_answers": "skip"})
     ext = open_extraction(params)
     ((url, engine),) = capture_servers(ext.capture_dir)
     engine.greedy_decoder = StopAfter(engine.runner, k=6)  # never ends within 4 tokens
@@ -177,6 +178,12 @@ def test_answers_cut_by_max_new_tokens_are_skipped_with_their_reason(tiny_extrac
     assert {(p["stage"], p["kind"]) for p in report["problems"]} == {("regenerate", "truncated")}
     again = run_extraction(with_(params, server_urls=[url]))  # the skip decisions are persisted too
     assert again["run"]["requests"] == 0 and again["skipped"] == {"truncated": 3}
+    # the default keeps them: every sample is its first (cut) answer, 4 tokens under the loss
+    kept = with_(params, extraction_id="keep", regeneration={"enabled": True, "max_new_tokens": 4},
+                 server_urls=[url], server_capture_dir=str(ext.capture_dir))
+    report = run_extraction(kept)
+    assert report["complete"] and report["done"] == 3 and report["skipped"] == {} and report["run"]["cut_kept"] == 3
+    assert all(e["loss_tokens"] == 4 for e in ledger_lines(open_extraction(kept).dir))
 
 
 def test_interrupted_regeneration_never_asks_for_an_answer_twice(tiny_extract_params, capture_servers, tmp_path):
@@ -232,6 +239,14 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     # data parallel on one host: each server gets its own GPUs
     assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
     assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
+    # more servers than GPUs: they share, each with its part of the memory
+    calls.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    shared = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="g"))
+    for i, spec in enumerate(launch_specs(shared)):
+        spec.make(31000 + i)
+    assert [c["sglang_args"] for c in calls] == [["--base-gpu-id", "0", "--mem-fraction-static", "0.42"]] * 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     # regeneration decodes: every request in flight is admitted and replayed in one CUDA graph batch, unless
     # the user said otherwise
     calls.clear()

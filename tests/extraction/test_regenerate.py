@@ -87,21 +87,43 @@ def test_max_turns_limits_the_turns_regenerated(enc):
 
 
 @pytest.mark.parametrize(("reply", "kind"), [("cut", "truncated"), ("empty", "empty_answer")])
-def test_a_cut_or_empty_answer_is_never_trained_on(enc, reply, kind):
+def test_an_empty_answer_or_a_cut_one_when_asked_to_skip_is_never_trained_on(enc, reply, kind):
     def bad():
         return answer(enc, "la la la", finish="length") if reply == "cut" else answer(enc, "  ")
 
+    config = RegenConfig(max_new_tokens=8, keep_cut=False)
     msgs = conversation("q?", "x", "r?", "y", "s?", "z")
     # the first answer: the sample is skipped with the reason
-    out, _ = drive(Regenerator(enc, RegenConfig(max_new_tokens=8), 4096), sample_of(enc, msgs), [bad()])
+    out, _ = drive(Regenerator(enc, config, 4096), sample_of(enc, msgs), [bad()])
     assert isinstance(out, Skipped) and out.kind == kind and "turn 0" in out.reason
     # a later answer: it and the turns after it are dropped, the complete turns before it are the sample
-    regen = Regenerator(enc, RegenConfig(max_new_tokens=8), 4096)
+    regen = Regenerator(enc, config, 4096)
     out, jobs = drive(regen, sample_of(enc, msgs), [answer(enc, "Fine."), bad()])
     assert isinstance(out, Sample) and len(jobs) == 2 and out.meta == {"regen_turns": 1, "dropped_turns": 2,
                                                                       "cut": kind}
     assert [m.content for m in out.messages] == ["q?", "Fine."] and len(out.loss_spans) == 1
     assert regen.stats.turns_cut == 1
+
+
+@pytest.mark.parametrize("turn", [0, 1])
+def test_a_cut_answer_is_kept_as_the_last_turn_without_an_end_of_turn(enc, turn):
+    """The target's own ids up to the cut are trained on; nothing after them (no end-of-turn token: the target
+    did not end the turn; the later turns are dropped, their context would hold an answer that never ended)."""
+    tok = enc.tokenizer
+    msgs = conversation("q?", "x", "r?", "y", "s?", "z")
+    cut = answer(enc, " la la la la", finish="length")
+    replies = [answer(enc, "Fine.")] * turn + [cut]
+    regen = Regenerator(enc, RegenConfig(max_new_tokens=8), 4096)
+    out, jobs = drive(regen, sample_of(enc, msgs), replies)
+    assert isinstance(out, Sample) and len(jobs) == turn + 1
+    assert out.meta == {"regen_turns": turn + 1, "dropped_turns": 2 - turn, "cut": "truncated", "cut_kept": True}
+    assert regen.stats.cut_kept == 1 and regen.stats.turns_cut == 0
+    # the sample ends with the cut answer's ids exactly as generated, all of them under the loss
+    assert out.input_ids.tolist() == jobs[-1].body["input_ids"] + cut["output_ids"]
+    a, b = out.loss_spans[-1]
+    assert (a, b) == (len(jobs[-1].body["input_ids"]), out.num_tokens) and len(out.loss_spans) == turn + 1
+    assert tok.decode(out.input_ids[a:b]) == " la la la la"
+    assert [m.content for m in out.messages][-1] == " la la la la"
 
 
 def test_a_later_turn_beyond_the_token_cap_is_dropped_and_a_first_one_skips(enc):
@@ -112,9 +134,13 @@ def test_a_later_turn_beyond_the_token_cap_is_dropped_and_a_first_one_skips(enc)
     assert isinstance(out, Sample) and len(jobs) == 1 and out.meta["dropped_turns"] == 1 and out.num_tokens <= cap
     # the limit (not max_new_tokens) cut the first answer: the conversation is over the cap
     cap = sample_of(enc, msgs[:2]).num_tokens + 8 + 20  # room for a 20-token answer and the closing
+    out, _ = drive(Regenerator(enc, RegenConfig(max_new_tokens=512, keep_cut=False), cap),
+                   sample_of(enc, msgs[:2], max_tokens=cap), [answer(enc, "Fine fine fine", finish="length")])
+    assert isinstance(out, Skipped) and out.kind == "too_long"
+    # kept (the default), that answer is the sample, within the cap
     out, _ = drive(Regenerator(enc, RegenConfig(max_new_tokens=512), cap), sample_of(enc, msgs[:2], max_tokens=cap),
                    [answer(enc, "Fine fine fine", finish="length")])
-    assert isinstance(out, Skipped) and out.kind == "too_long"
+    assert isinstance(out, Sample) and out.meta["cut"] == "too_long" and out.num_tokens <= cap
 
 
 def test_persisted_answers_are_replayed_without_a_request(enc):

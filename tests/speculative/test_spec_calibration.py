@@ -106,3 +106,28 @@ def test_answers_are_scored_up_to_the_live_cap():
 
     mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
     assert C.cap_turns(mask, 3).int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("encoding", ["bf16", "fp8"])
+def test_the_capped_view_keeps_each_sample_and_cuts_its_answers(encoding):
+    """The view the calibration simulates on: what the reader hands out (bf16 views or fp8 codes), with every
+    answer cut to the live cap and nothing else changed."""
+    import torch
+
+    from eaglenest.store import StoreSample
+    from eaglenest.store.encoding import Fp8States, encode_fp8
+    from eaglenest.testing.fake_store import MemoryStore
+
+    aux, final = torch.randn(12, 6, dtype=torch.bfloat16), torch.randn(12, 2, dtype=torch.bfloat16)
+    ids = torch.arange(12, dtype=torch.int32)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    if encoding == "fp8":
+        sample = StoreSample("a", ids, mask, fp8=Fp8States(*encode_fp8(aux, 3), *encode_fp8(final, 1)))
+    else:
+        sample = StoreSample("a", ids, mask, aux, final)
+    view = C._CappedAnswers(MemoryStore([sample], provenance=None), 3)
+    got = view[0]
+    assert got.loss_mask.int().tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    assert sample.loss_mask.int().tolist() == mask.int().tolist()  # the store's own sample is untouched
+    assert got.sample_id == "a" and torch.equal(got.input_ids, ids) and torch.equal(got.aux_hidden, sample.aux_hidden)
+    assert (got.fp8 is None) == (encoding == "bf16")
