@@ -513,17 +513,18 @@ def visible_gpus() -> int:
 
 
 def sglang_placement_flags(args: Sequence[str], *, index: int, num_servers: int, gpus: int) -> list[str]:
-    """``args`` for server ``index`` of ``num_servers`` launched on one host with ``gpus`` GPUs, unless the user
-    placed them: servers take their GPUs in turn (``--base-gpu-id``), and where several share a GPU each gets an
-    equal share of its memory (``--mem-fraction-static``). Several servers on one GPU pay for a small target:
-    one SGLang scheduler is a single Python thread, and a 135M model leaves an H200 mostly idle at its pace."""
+    """``args`` for server ``index`` of ``num_servers`` launched on one host: each takes the next ``tp`` GPUs
+    (``--base-gpu-id``) unless the user placed them. More servers than GPUs are refused (LaunchError): SGLang
+    sizes its KV cache from ``--mem-fraction-static`` of the WHOLE GPU minus what is in use when it starts, so
+    servers that share a GPU and start together see each other's memory and the later ones find no room
+    (seen on the H200: two SmolLM2 servers at 0.42 each, "no GPU memory for the KV cache")."""
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     out = list(args)
     if num_servers <= 1 or "--base-gpu-id" in given:
         return out
     tp = sglang_tp_size(args)
-    out += ["--base-gpu-id", str((index * tp) % gpus if gpus else index * tp)]
-    per_gpu = -(-num_servers * tp // gpus) if gpus else 1
-    if per_gpu > 1 and "--mem-fraction-static" not in given:
-        out += ["--mem-fraction-static", f"{0.85 / per_gpu:.2f}"]
-    return out
+    if gpus and num_servers * tp > gpus:
+        raise LaunchError(f"{num_servers} SGLang servers x tensor parallel {tp} need {num_servers * tp} GPUs; this "
+                          f"host shows {gpus} (CUDA_VISIBLE_DEVICES / torch): launch fewer servers, or place them "
+                          "yourself with --base-gpu-id and --mem-fraction-static")
+    return [*out, "--base-gpu-id", str(index * tp)]

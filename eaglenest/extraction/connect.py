@@ -68,7 +68,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             args = list(p.sglang_args)
             if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
                 args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
-            # data parallel: GPUs in turn, several servers sharing one when there are more servers than GPUs
+            # data parallel: each server on its own GPUs
             args = sglang_placement_flags(args, index=i, num_servers=p.num_servers, gpus=visible_gpus())
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
@@ -76,6 +76,8 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             return local_server(cmd, port=port, log_path=ext.path(f"logs/server-{i}.log"), env=env)
         return LaunchSpec(f"sglang-{i}", make)
 
+    if p.engine == "sglang":  # a placement that cannot work is refused before any server starts
+        sglang_placement_flags(list(p.sglang_args), index=0, num_servers=p.num_servers, gpus=visible_gpus())
     make_spec = embedded if p.engine == "embedded" else sglang
     return [make_spec(i) for i in range(p.num_servers)]
 

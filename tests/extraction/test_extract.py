@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from eaglenest.engines.pool import LaunchError
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import ConfigChanged, open_extraction
@@ -239,13 +240,11 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     # data parallel on one host: each server gets its own GPUs
     assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
     assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
-    # more servers than GPUs: they share, each with its part of the memory
-    calls.clear()
+    # more servers than GPUs: refused before anything starts, naming what to do
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    shared = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="g"))
-    for i, spec in enumerate(launch_specs(shared)):
-        spec.make(31000 + i)
-    assert [c["sglang_args"] for c in calls] == [["--base-gpu-id", "0", "--mem-fraction-static", "0.42"]] * 2
+    one_gpu = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="g"))
+    with pytest.raises(LaunchError, match="need 2 GPUs; this host shows 1"):
+        launch_specs(one_gpu)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     # regeneration decodes: every request in flight is admitted and replayed in one CUDA graph batch, unless
     # the user said otherwise
