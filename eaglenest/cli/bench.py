@@ -198,18 +198,13 @@ def offline(
 def _offline_on_prompts(*, draft, prompt_sets, prompts_file, live, model, depths, engine, server_urls, num_prompts,
                         max_new_tokens, out) -> None:
     from eaglenest.speculative import calibration as C
-    from eaglenest.speculative import prompts as P
 
-    source = prompts_file
-    if prompt_sets:
-        source = C.write_prompt_source(out / "prompts.jsonl",
-                                       [P.load_prompt_set(n, limit=num_prompts) for n in prompt_sets])
     settings = C.CaptureSettings(model=model, engine=engine, server_urls=server_urls, max_new_tokens=max_new_tokens)
-    report = C.calibrate_on_prompts(source=source, draft=draft, settings=settings, work_dir=out, live_reports=live,
-                                    depths=depths)
-    path = C.write_calibration(report, out)
+    report = C.calibrate_prompt_sets(draft=draft, settings=settings, work_dir=out, prompt_sets=prompt_sets,
+                                     prompts_file=prompts_file, num_prompts=num_prompts, live_reports=live,
+                                     depths=depths)
     typer.echo(C.markdown(report))
-    typer.echo(f"files: {path}, {path.with_suffix('.md')}")
+    typer.echo(f"files: {out / 'calibration.json'}, {out / 'calibration.md'}")
 
 
 @app.command()

@@ -184,7 +184,7 @@ class Trainer:
         checkpoint = ckpts.load() if ckpts.latest() is not None else None
         fingerprint = store_fingerprint(store)
         if checkpoint is not None:
-            check_resume(checkpoint.state, config, fingerprint, tt.config)
+            check_resume(checkpoint.state, config, fingerprint, tt.config, world=d.world)
             vocab = DraftVocab.from_d2t(checkpoint.model["d2t"], int(tt.config["vocab_size"]))
         else:
             vocab = _build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
@@ -344,7 +344,8 @@ class Trainer:
                      "target": self.tt.config, "total_steps": self.total, "vocab_coverage": self.vocab.coverage,
                      "eval_samples": len(self.eval_idx), "history": self.history, "train_tokens": self.tokens_done,
                      "last_eval": (last_eval or {}).get(HELDOUT), "last_eval_sets": last_eval,
-                     "vocab_size": self.vocab.size, "train_seconds": self.seconds_before + self.clock() - self.t_loop}
+                     "vocab_size": self.vocab.size, "train_seconds": self.seconds_before + self.clock() - self.t_loop,
+                     "world_size": self.d.world}
             path = self.ckpts.save(step=self.step_no, model=self.drafter.state_dict(),
                                    optimizer=self.optimizer.state_dict(), trainer=trainer_state, state=state)
             self.emit({"kind": "checkpoint", "step": self.step_no, "path": str(path)})

@@ -147,9 +147,22 @@ def finished_result(run_dir: Path, d: Dist, resume, total: int) -> TrainResult:
     return result
 
 
-def check_resume(state: dict, config: TrainConfig, fingerprint: str, target_config: dict) -> None:
+def check_resume(state: dict, config: TrainConfig, fingerprint: str, target_config: dict, *, world: int = 1) -> None:
+    """Refuse a resume that would not continue the same run, naming what differs.
+
+    Another number of processes resumes only with the same global step: ``grad_accum x processes`` micro-batches
+    (the global stream is the same, so such a resume continues exactly, up to the order of float sums in the
+    all-reduce); ``grad_accum`` itself may change for that."""
     saved = state["config"]
-    drift = config_drift(saved, config.drift_view(), mutable=RESUME_MUTABLE)
+    saved_world = int(state.get("world_size", 1))
+    per_step, now = int(saved["grad_accum"]) * saved_world, config.grad_accum * world
+    if per_step != now:
+        raise ResumeRefused(
+            f"resume refused: the checkpoint took {per_step} micro-batches per step (grad_accum "
+            f"{saved['grad_accum']} x {saved_world} process(es)); this run would take {now} (grad_accum "
+            f"{config.grad_accum} x {world}): set grad_accum so that grad_accum x processes = {per_step}, or use a "
+            "new out_dir")
+    drift = config_drift(saved, config.drift_view(), mutable=RESUME_MUTABLE | {"grad_accum"})
     if drift:
         detail = describe_drift(saved, config.drift_view(), drift)
         raise ResumeRefused(f"resume refused: config differs from the checkpoint's in {detail}; "

@@ -196,16 +196,12 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
 
 def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
     from eaglenest.speculative import calibration as C
-    from eaglenest.speculative import prompts as P
 
     work = Path(cfg.output_dir) / "calibration"
-    ps = P.load_prompt_set(cfg.prompt_set, limit=cfg.num_prompts)
-    source = C.write_prompt_source(work / "prompts.jsonl", [ps])
     settings = C.CaptureSettings(model=cfg.model, engine=cfg.engine, server_urls=cfg.capture_server_urls,
                                  max_new_tokens=cfg.max_new_tokens, sglang_args=cfg.sglang_args)
-    report = C.calibrate_on_prompts(source=source, draft=cfg.draft, settings=settings, work_dir=work,
-                                    depths=sorted({*C.DEFAULT_DEPTHS, cfg.num_steps}))
-    C.write_calibration(report, work)
+    report = C.calibrate_prompt_sets(draft=cfg.draft, settings=settings, work_dir=work, prompt_sets=[cfg.prompt_set],
+                                     num_prompts=cfg.num_prompts, depths=sorted({*C.DEFAULT_DEPTHS, cfg.num_steps}))
     (one,) = report.sets
     at = one.by_depth[cfg.num_steps]
     return {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": cfg.num_steps,

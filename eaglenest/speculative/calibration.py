@@ -292,3 +292,24 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
         notes=["offline = simulated accept length per verify cycle on the target's own greedy answers to the same "
                "prompts (what SGLang reports: (accepted drafts + verifies) / verifies); offline per start = the "
                "mean over every answer position (higher where acceptance varies along an answer)"])
+
+
+def calibrate_prompt_sets(*, draft: str | Path, settings: CaptureSettings, work_dir: str | Path,
+                          prompt_sets: Sequence[str] = (), prompts_file: str | Path | None = None,
+                          num_prompts: int | None = None, live_reports: Sequence[str | Path] = (),
+                          depths: Sequence[int] = DEFAULT_DEPTHS) -> CalibrationReport:
+    """Named prompt sets (first ``num_prompts`` of each) or a prompt source file -> the target's greedy answers
+    captured under ``work_dir`` -> the offline estimate beside ``live_reports``, written to ``work_dir``
+    (calibration.json / .md). What ``eaglenest bench offline --prompt-set`` and the bench flow run."""
+    from eaglenest.speculative.prompts import load_prompt_set
+
+    source = prompts_file
+    if prompt_sets:
+        source = write_prompt_source(Path(work_dir) / "prompts.jsonl",
+                                     [load_prompt_set(n, limit=num_prompts) for n in prompt_sets])
+    if source is None:
+        raise ValueError("give prompt sets or a prompt source file to calibrate on")
+    report = calibrate_on_prompts(source=source, draft=draft, settings=settings, work_dir=work_dir,
+                                  live_reports=live_reports, depths=depths)
+    write_calibration(report, work_dir)
+    return report
