@@ -41,6 +41,14 @@ class RegenerationParams(BaseModel):
         "ends with it; nothing after it); skip = leave the sample out (in a later turn: keep the turns before)."))
     seed: int = Field(0, ge=0, description="Base seed; each sample and turn derive their own from it.")
 
+    def identity(self) -> dict:
+        """What defines the regenerated data. ``cut_answers="skip"`` was the only behaviour before the field
+        existed, so it is left out: an extraction made then resumes with ``--regen-cut-answers skip``."""
+        out = self.model_dump()
+        if out["cut_answers"] == "skip":
+            del out["cut_answers"]
+        return out
+
 
 class ExtractParams(BaseModel):
     """Extract hidden states for a prompt set: tokenize, (regenerate), prefill with capture, validate."""
@@ -147,7 +155,7 @@ class ExtractParams(BaseModel):
             "max_turns": self.max_turns, "model": self.model, "engine": self.engine,
             "aux_layer_ids": list(self.aux_layer_ids) if self.aux_layer_ids is not None else None,
             "max_tokens": self.max_tokens, "context_headroom": self.context_headroom,
-            "regeneration": self.regeneration.model_dump() if self.regeneration.enabled else None,
+            "regeneration": self.regeneration.identity() if self.regeneration.enabled else None,
             **({"partition": [self.partition_index, self.partition_count]} if self.partition_count > 1 else {}),
         }
 

@@ -277,3 +277,14 @@ def test_resume_on_a_server_with_other_numerics_is_refused(tiny_extract_params, 
             run_extraction(with_(params, server_urls=[other]))
         assert engine.stats["requests"] == 1  # refused before any sample was sent (the probe only)
     engine.close()
+
+
+def test_an_extraction_made_before_cut_answers_were_kept_resumes_with_skip(tiny_extract_params):
+    """Its identity had no cut_answers field (skipping was the only behaviour): skip gives the same identity and
+    id, keep (the default now) another one."""
+    skip = with_(tiny_extract_params, extraction_id=None, regeneration={"enabled": True, "cut_answers": "skip"})
+    keep = with_(skip, regeneration={"enabled": True})
+    before = skip.identity()["regeneration"]
+    assert "cut_answers" not in before and set(before) == {"enabled", "temperature", "top_p", "max_new_tokens", "seed"}
+    assert keep.identity()["regeneration"]["cut_answers"] == "keep"
+    assert skip.resolved_extraction_id() != keep.resolved_extraction_id()
