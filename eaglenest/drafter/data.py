@@ -157,17 +157,13 @@ class Lookahead:
 
     def next(self, *, more: bool = True) -> tuple[list[list[int]], object]:
         """This step's micro-batches; ``more=False`` says no step follows (nothing is prefetched)."""
-        if self._next is not None:
-            micro, fut = self._next
-            self._next = None
-            staged = fut.result()
-        else:
-            micro, fut = self.stream.take(self.per_step), None
+        micro, fut = self._next if self._next is not None else (self.stream.take(self.per_step), None)
+        self._next = None
         self._state, self.epoch = self.stream.state_dict(), self.stream.epoch
         if self._pool is not None and more:
             following = self.stream.take(self.per_step)
             self._next = (following, self._pool.submit(self.stage_fn, following))
-        return micro, staged if fut is not None else self.stage_fn(micro)
+        return micro, fut.result() if fut is not None else self.stage_fn(micro)
 
     def state_dict(self) -> dict:
         return self._state if self._state is not None else self.stream.state_dict()

@@ -29,7 +29,6 @@ import ctypes
 import functools
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from eaglenest import contract
+from eaglenest.engines.sglang_guards import split_flags
 
 ENV_LAUNCH_TOKEN = "EAGLENEST_LAUNCH_TOKEN"
 _PR_SET_PDEATHSIG = 1
@@ -484,7 +484,7 @@ def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[
     did not set: ``--max-running-requests`` (admit them all) and ``--cuda-graph-max-bs`` (SGLang replays a CUDA
     graph only for batches up to that size and decodes larger ones eagerly, several times slower for a small
     target; its default is below the 512-1024 requests regeneration keeps in flight)."""
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    given = {flag for flag, _ in split_flags(args)}
     out = list(args)
     if "--max-running-requests" not in given:
         out += ["--max-running-requests", str(concurrency)]
@@ -495,8 +495,8 @@ def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[
 
 def sglang_tp_size(args: Sequence[str]) -> int:
     """The tensor-parallel size ``args`` ask for (1 when they do not say)."""
-    m = re.search(r"--(?:tp-size|tensor-parallel-size|tp)[ =](\d+)", " ".join(args))
-    return int(m.group(1)) if m else 1
+    sizes = [v for f, v in split_flags(args) if f in ("--tp-size", "--tensor-parallel-size", "--tp")]
+    return int(sizes[0]) if sizes and sizes[0] and sizes[0].isdigit() else 1
 
 
 def visible_gpus() -> int:
@@ -518,9 +518,8 @@ def sglang_placement_flags(args: Sequence[str], *, index: int, num_servers: int,
     sizes its KV cache from ``--mem-fraction-static`` of the WHOLE GPU minus what is in use when it starts, so
     servers that share a GPU and start together see each other's memory and the later ones find no room
     (seen on the H200: two SmolLM2 servers at 0.42 each, "no GPU memory for the KV cache")."""
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     out = list(args)
-    if num_servers <= 1 or "--base-gpu-id" in given:
+    if num_servers <= 1 or "--base-gpu-id" in {flag for flag, _ in split_flags(args)}:
         return out
     tp = sglang_tp_size(args)
     if gpus and num_servers * tp > gpus:

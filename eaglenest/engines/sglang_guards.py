@@ -34,7 +34,7 @@ class SGLangArgsError(ValueError):
     """User sglang arguments contradict the capture guards. Terminal: fix the command line."""
 
 
-def _split(args: Sequence[str]) -> list[tuple[str, str | None]]:
+def split_flags(args: Sequence[str]) -> list[tuple[str, str | None]]:
     """(flag, value) pairs; value is the next token unless it is a flag, or the part after '='."""
     out: list[tuple[str, str | None]] = []
     i = 0
@@ -63,7 +63,7 @@ def _int(value: str | None) -> int | None:
 def check_user_args(args: Sequence[str]) -> list[str]:
     """Problems with user-supplied sglang arguments (empty when they are compatible with capture)."""
     problems: list[str] = []
-    for flag, value in _split(args):
+    for flag, value in split_flags(args):
         if flag in RESERVED:
             problems.append(f"{flag} is set by eaglenest; use `eaglenest serve {RESERVED[flag]} ...` instead")
         elif flag == "--cuda-graph-backend-prefill" and value != "disabled":

@@ -52,6 +52,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
     )
 
     p = ext.params
+    gpus = visible_gpus() if p.engine == "sglang" else 0
 
     def embedded(i: int) -> LaunchSpec:
         def make(port: int) -> ServerProcess:
@@ -69,7 +70,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
             if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
                 args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
             # data parallel: each server on its own GPUs
-            args = sglang_placement_flags(args, index=i, num_servers=p.num_servers, gpus=visible_gpus())
+            args = sglang_placement_flags(args, index=i, num_servers=p.num_servers, gpus=gpus)
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
                 aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
@@ -77,7 +78,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
         return LaunchSpec(f"sglang-{i}", make)
 
     if p.engine == "sglang":  # a placement that cannot work is refused before any server starts
-        sglang_placement_flags(list(p.sglang_args), index=0, num_servers=p.num_servers, gpus=visible_gpus())
+        sglang_placement_flags(list(p.sglang_args), index=0, num_servers=p.num_servers, gpus=gpus)
     make_spec = embedded if p.engine == "embedded" else sglang
     return [make_spec(i) for i in range(p.num_servers)]
 
