@@ -14,8 +14,9 @@
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts.
-# Knobs (environment): LIMIT (10000), CONC (1024), EPOCHS (4), TRAIN_MINUTES (6, a safety stop), GRID
-# (a gpu_sweep grid JSON, default bf16 and fp8 stores at draft vocab 16000), NUM_PROMPTS (80), STEPS (3).
+# Knobs (environment): LIMIT (10000), CONC (1024), FP8 (1: also an fp8 store), EPOCHS (4), TRAIN_MINUTES (6,
+# a safety stop), GRID (a gpu_sweep grid JSON, default bf16 and fp8 stores at draft vocab 16000), DRAFTERS
+# (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3).
 set -euo pipefail
 STEP=${1:?usage: gpu_session.sh setup|data|train|bench}
 OUT=${OUT:-/tmp/out}
@@ -59,7 +60,8 @@ folder, rep = capture_answers('/tmp/gpu/calib.jsonl', s, '/tmp/calib')
 print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
   calib=$!
   run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial
-  run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
+  [ "${FP8:-1}" = 0 ] || run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial \
+    --encoding fp8 --device cuda
   wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
   tail -3 "$W/calib.log"
   cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
@@ -79,14 +81,17 @@ train)
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
     run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
   done
-  # the first config's drafter comes back (parts of <= 15 MB) for the CPU benchmark
-  first=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])))))" "$grid")
-  tar -C /tmp/export -cf - "$first" | split -b 15M - "$OUT/drafter-$first.tar.part"
+  # the drafters come back (parts of <= 15 MB; a call returns at most 8 files) for the CPU benchmark
+  for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
+    tar -C /tmp/export -cf - "$name" | split -b 15M - "$OUT/drafter-$name.tar.part"
+  done
   ;;
 bench)
+  first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   for name in ${DRAFTERS:-bf16}; do
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
-    [ "$name" = bf16 ] || sets=/tmp/gpu/mt-bench.jsonl
+    [ "$first" = 1 ] || sets=/tmp/gpu/mt-bench.jsonl
+    first=0
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
     mkdir -p "$R/grid-$name" "$R/calib-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "/tmp/export/$name" \
