@@ -43,13 +43,13 @@ setup)
   ;;
 data)
   cp .device/gguf2/smol.part01 /tmp/smol/ && rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
-  run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
-  run python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
+  [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+  [ "${EXTRACT:-1}" = 0 ] || run python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
     --limit "${LIMIT:-10000}" --max-turns 1 --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
     --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
     "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
     --sglang-arg=8192 || echo "extract exited $?" >&2
-  cp /tmp/ext/regen/report.json "$R/extraction.json"
+  cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   run python3 -c "
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
