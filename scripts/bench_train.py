@@ -13,7 +13,8 @@ accept length at depths 1..k.
 ``step`` times one optimizer step (TTT forward + backward, k steps) on random data of the target's
 shape, per precision and draft vocabulary, and prints tokens/s (no store needed):
 
-    python scripts/bench_train.py step --tokens 4096 --seq 512 --vocab 8192 16384 32000 --precision bf16 fp32
+    python scripts/bench_train.py step --tokens 4096 --seq 256 512 --vocab 8192 16384 32000 --precision bf16 fp32 \
+        [--device cuda] [--profile 15]   (--profile: the top ops of one more step, by self time)
 """
 
 from __future__ import annotations
@@ -127,52 +128,77 @@ def train_run(args) -> None:
 
 
 def step_bench(args) -> None:
-    import contextlib
-
     import torch
 
-    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
-    from eaglenest.drafter.ttt import Batch, step_counts, target_rows, ttt_forward
+    from eaglenest.drafter.model import load_target_tensors
     from eaglenest.models import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     tt = load_target_tensors(resolve_model(args.model))
-    h, v = int(tt.config["hidden_size"]), int(tt.config["vocab_size"])
-    b, t = max(1, args.tokens // args.seq), args.seq
     torch.manual_seed(0)
-    for precision in args.precision:
-        bf16 = precision == "bf16"
-        dt = torch.bfloat16 if bf16 else torch.float32
-        for vd in args.vocab:
-            cfg = DrafterConfig.from_target(tt.config, aux_layer_ids=(1, 2, 3), draft_vocab_size=vd)
-            model = Eagle3Drafter(cfg, embed_weight=tt.embed)
-            ids = torch.arange(vd) * (v // vd)
-            model.d2t.copy_(ids - torch.arange(vd))
-            model.t2d.zero_()
-            model.t2d[ids] = True
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            head = tt.lm_head.to(dt)
-            batch = Batch(torch.randint(0, v, (b, t)), torch.rand(b, t) < args.loss_share,
-                          torch.randn(b, t, 3 * h).to(dt), torch.randn(b, t, h).to(dt), torch.full((b,), t),
-                          tuple(range(b)))
-            ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-            counts = step_counts(batch.loss_mask, args.k)
-            times = []
-            for _ in range(args.repeat + 1):
-                t0 = time.perf_counter()
-                with ctx():
-                    rows = target_rows(batch, head, ids, model.t2d)
-                    res = ttt_forward(model, batch, rows, args.k)
-                    pairs = enumerate(zip(res, counts.tolist(), strict=True))
-                    loss = sum(r.loss_sum * (0.8**i) / c for i, (r, c) in pairs)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                times.append(time.perf_counter() - t0)
-            best = min(times[1:])
-            print(json.dumps({"precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
-                              "step_s": round(best, 3), "tokens_per_s": round(b * t / best)}), flush=True)
+    for seq in args.seq:
+        for precision in args.precision:
+            for vd in args.vocab:
+                _time_shape(args, tt, torch.device(args.device), seq, precision, vd)
+
+
+def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
+    """Time one optimizer step of one shape (best of --repeat after a warm-up); optionally profile one more."""
+    import contextlib
+
+    import torch
+
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.ttt import Batch, step_counts, target_rows, ttt_forward
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    h, v = int(tt.config["hidden_size"]), int(tt.config["vocab_size"])
+    b, t = max(1, args.tokens // seq), seq
+    bf16 = precision == "bf16"
+    dt = torch.bfloat16 if bf16 else torch.float32
+    cfg = DrafterConfig.from_target(tt.config, aux_layer_ids=(1, 2, 3), draft_vocab_size=vd)
+    model = Eagle3Drafter(cfg, embed_weight=tt.embed).to(dev)
+    ids = torch.arange(vd, device=dev) * (v // vd)
+    model.d2t.copy_(ids - torch.arange(vd, device=dev))
+    model.t2d.zero_()
+    model.t2d[ids] = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    head = tt.lm_head.to(dev, dt)
+    batch = Batch(torch.randint(0, v, (b, t)), torch.rand(b, t) < args.loss_share,
+                  torch.randn(b, t, 3 * h).to(dt), torch.randn(b, t, h).to(dt), torch.full((b,), t),
+                  tuple(range(b))).to(dev)
+    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    counts = step_counts(batch.loss_mask, args.k).tolist()
+
+    def one_step() -> None:
+        with ctx():
+            rows = target_rows(batch, head, ids, model.t2d)
+            res = ttt_forward(model, batch, rows, args.k)
+            loss = sum(r.loss_sum * (0.8**i) / c for i, (r, c) in enumerate(zip(res, counts, strict=True)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    times = []
+    for _ in range(args.repeat + 1):
+        sync()
+        t0 = time.perf_counter()
+        one_step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    best = min(times[1:])
+    print(json.dumps({"device": dev.type, "precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
+                      "step_s": round(best, 4), "tokens_per_s": round(b * t / best)}), flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            one_step()
+            sync()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
 
 
 def main() -> None:
@@ -194,7 +220,7 @@ def main() -> None:
     t.add_argument("--set", action="append", help="TrainConfig FIELD=VALUE")
     s = sub.add_parser("step")
     s.add_argument("--tokens", type=int, default=4096)
-    s.add_argument("--seq", type=int, default=512)
+    s.add_argument("--seq", type=int, nargs="+", default=[512], help="row lengths (tokens // seq rows each)")
     s.add_argument("--vocab", type=int, nargs="+", default=[8192, 16384])
     s.add_argument("--precision", nargs="+", default=["bf16", "fp32"])
     s.add_argument("--k", type=int, default=7)
@@ -202,6 +228,8 @@ def main() -> None:
     s.add_argument("--repeat", type=int, default=2)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--model", default="default")
+    s.add_argument("--device", default="cpu", help="cpu or cuda")
+    s.add_argument("--profile", type=int, default=0, help="also print the top N ops of one profiled step")
     args = ap.parse_args()
     {"capture": capture, "train": train_run, "step": step_bench}[args.cmd](args)
 
