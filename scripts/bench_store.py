@@ -16,7 +16,7 @@ about --gb GB in --workdir, then prints:
 - sha256 check: first-read MB/s of a cold store (random order, fresh Store per pass) with the per-file sha256
   check on first read (the default) and without it (``check_sha256=False``).
 - encodings: conversion MB/s (shard bytes in / wall seconds, best of repeats) and bytes per token of the same
-  extraction converted as bf16 and as fp8 (``--device`` says where fp8 is encoded).
+  extraction converted as bf16 and as fp8, alternately (``--device`` says where fp8 is encoded).
 ``--sections`` picks what runs (default all: p3,p4,sha,enc).
 Numbers on a shared 2-core machine are noisy: rerun when the machine is quiet.
 """
@@ -112,15 +112,16 @@ def first_read(url: str, files, order, out: torch.Tensor, *, check: bool, cold: 
 
 
 def compare_encodings(ex: Path, work: Path, shard_bytes: int, args) -> None:
-    res = {}
-    for enc in ("bf16", "fp8"):
-        best, summary = float("inf"), None
-        for _ in range(args.repeats):
+    best, summary = {"bf16": float("inf"), "fp8": float("inf")}, {}
+    for _ in range(args.repeats):
+        for enc in best:  # alternated, so that a busy neighbour slows both alike
             shutil.rmtree(work / f"store-{enc}", ignore_errors=True)
-            summary = convert(ex, str(work / f"store-{enc}"), target_file_bytes=args.target_file_mb << 20,
-                              encoding=enc, device=args.device)
-            best = min(best, summary.seconds)
-        res[enc] = (shard_bytes / best / 1e6, summary.store_bytes / summary.tokens)
+            summary[enc] = convert(ex, str(work / f"store-{enc}"), target_file_bytes=args.target_file_mb << 20,
+                                   encoding=enc, device=args.device)
+            best[enc] = min(best[enc], summary[enc].seconds)
+    res = {}
+    for enc, s in summary.items():
+        res[enc] = (shard_bytes / best[enc] / 1e6, s.store_bytes / s.tokens)
         shutil.rmtree(work / f"store-{enc}")
         print(f"  {enc}: convert {res[enc][0]:.0f} MB/s (input), {res[enc][1]:.1f} bytes/token")
     print(f"encodings: fp8/bf16 conversion speed {res['fp8'][0] / res['bf16'][0]:.2f} (goal >= 1), "

@@ -38,11 +38,14 @@ import torch
 from eaglenest.contract import Provenance, Shard
 from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
-from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_states
+from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_samples
 from eaglenest.store.reader import open_store
-from eaglenest.store.shards import check_inputs, check_pending, prefetch_shards
+from eaglenest.store.shards import check_inputs, check_pending, group_entries, prefetch_shards
 
 DEFAULT_TARGET_FILE_BYTES = 256 << 20
+DEVICE_GROUP_BYTES = 32 << 20
+"""Shard bytes encoded together off the CPU: a copy's and a wait's fixed cost vanish next to 32 MB, and eight
+groups fit the prefetch window (one per helper)."""
 DTYPES = {
     "bf16": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "bfloat16", "final_hidden": "bfloat16"},
     "fp8": {"input_ids": "int32", "loss_mask": "bool", "aux_hidden": "float8_e4m3fn", "final_hidden": "float8_e4m3fn",
@@ -96,35 +99,28 @@ def file_key(provenance: Provenance, entries: Sequence[LedgerEntry]) -> str:
 
 def plan_files(entries: Sequence[LedgerEntry], provenance: Provenance, target_file_bytes: int) -> list[_Planned]:
     """Greedy packing in ledger order: a file closes once it holds ``target_file_bytes`` of shards."""
-    out, cur, size = [], [], 0
-    for e in entries:
-        cur.append(e)
-        size += e.bytes
-        if size >= target_file_bytes:
-            out.append(_Planned(file_key(provenance, cur), tuple(cur)))
-            cur, size = [], 0
-    if cur:
-        out.append(_Planned(file_key(provenance, cur), tuple(cur)))
-    return out
+    return [_Planned(file_key(provenance, g), tuple(g)) for g in group_entries(entries, target_file_bytes)]
 
 
-def sample_columns(encoding: str, device: torch.device, entry: LedgerEntry, shard: Shard) -> list[torch.Tensor]:
-    """The data columns of one sample in ``encoding`` (the order of :func:`layout.data_schema`); fp8 is
+def sample_columns(encoding: str, device: torch.device,
+                   loaded: list[tuple[LedgerEntry, Shard]]) -> list[list[torch.Tensor]]:
+    """The data columns of each loaded sample in ``encoding`` (the order of :func:`layout.data_schema`); fp8 is
     encoded on ``device`` (the same bits on any device: float32 division and e4m3 rounding are exact IEEE)."""
-    mask = torch.tensor(spans_to_mask(entry.loss_spans, entry.num_tokens), dtype=torch.bool)  # [T]
+    masks = [torch.tensor(spans_to_mask(e.loss_spans, e.num_tokens), dtype=torch.bool) for e, _ in loaded]  # [T]
     if encoding == "bf16":
-        return [shard.input_ids, mask, shard.aux_hidden, shard.final_hidden]
-    fp8 = encode_states(shard.aux_hidden.to(device), shard.final_hidden.to(device),
-                        len(shard.provenance.aux_layer_ids), what=f"sample {entry.sample_id!r}")
-    return [shard.input_ids, mask, *(t.cpu() for t in (fp8.aux_codes, fp8.final_codes, fp8.aux_scale,
-                                                       fp8.final_scale))]
+        return [[s.input_ids, m, s.aux_hidden, s.final_hidden] for (_, s), m in zip(loaded, masks, strict=True)]
+    num_aux = len(loaded[0][1].provenance.aux_layer_ids)
+    fp8 = encode_samples([(s.aux_hidden, s.final_hidden) for _, s in loaded], num_aux,
+                         names=[f"sample {e.sample_id!r}" for e, _ in loaded], device=device)
+    return [[s.input_ids, m, f.aux_codes, f.final_codes, f.aux_scale, f.final_scale]
+            for (_, s), m, f in zip(loaded, masks, fp8, strict=True)]
 
 
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """CPU fp8 encoding runs one sample per worker thread; torch's intra-op threads on top of those
-    oversubscribe the cores (5x slower measured on 2 busy cores). torch's thread count is per process:
-    it is restored when the conversion ends."""
+    """fp8 conversion works on several samples at once, one per helper thread (a CPU encodes them, for a GPU the
+    helpers pack them); torch's intra-op threads on top of those oversubscribe the cores (5x slower measured on
+    2 busy cores). torch's thread count is per process: it is restored when the conversion ends."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -307,15 +303,16 @@ def convert(
         progress(done, total)
 
     bytes_in = bytes_written = 0
-    cpu_encoding = encoding == "fp8" and dev.type == "cpu"
     if todo:
-        # fp8: several samples in flight (on a GPU each one's copies in and out wait for the device; on a CPU
-        # the encoding itself is the work); bf16 only reads and checks, which one helper keeps up with
+        # fp8: several helpers (on a CPU the encoding itself is the work; for a GPU they hash and pack while the
+        # device works), a GPU's samples in groups (one copy each way and one wait per group, not per sample);
+        # bf16 only reads and checks, which one helper keeps up with
         stream = prefetch_shards(ledger.capture_dir, [e for pf in todo for e in pf.entries], capture,
                                  transform=partial_fn(sample_columns, encoding, dev),
-                                 workers=min(8, os.cpu_count() or 1) if encoding == "fp8" else 1)
+                                 workers=min(8, os.cpu_count() or 1) if encoding == "fp8" else 1,
+                                 group_bytes=DEVICE_GROUP_BYTES if encoding == "fp8" and dev.type != "cpu" else 0)
         slot = {pf.key: j for j, pf in enumerate(planned)}
-        with _one_torch_thread() if cpu_encoding else contextlib.nullcontext():
+        with _one_torch_thread() if encoding == "fp8" else contextlib.nullcontext():
             try:
                 for pf in todo:
                     rec = _write_file(fs, root, pf, schema, stream)

@@ -29,6 +29,7 @@ decoded states for NaN/inf like bf16 ones (the trainer's batch check), so damage
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,6 +72,19 @@ def encode_fp8(x: torch.Tensor, blocks: int, *, what: str = "hidden states") -> 
     """x [T, blocks*H] bf16 or float32 -> (codes uint8 [T, blocks*H] e4m3 bits, scales float32 [T, blocks]).
 
     Raises ContractError on NaN/inf (nothing non-finite is stored)."""
+    codes, scale, bad = _encode_rows(x, blocks, what=what)
+    if bool(bad.any()):
+        raise _non_finite(what)
+    return codes, scale
+
+
+def _non_finite(what: str) -> ContractError:
+    return ContractError(f"{what}: non-finite values cannot be encoded as fp8 (nothing was written)")
+
+
+def _encode_rows(x: torch.Tensor, blocks: int, *, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`encode_fp8` without its check (no wait for the device): (codes, scales, bad [T] bool: the rows
+    holding NaN/inf, whose codes and scales are meaningless)."""
     t, width = x.shape
     if width % blocks:
         raise ValueError(f"{what}: width {width} is not a multiple of {blocks} blocks")
@@ -79,18 +93,20 @@ def encode_fp8(x: torch.Tensor, blocks: int, *, what: str = "hidden states") -> 
     int_type, magnitude, inf_bits = _BITS[x.dtype]
     xb = x.reshape(t, blocks, width // blocks)  # [T, B, H]
     amax_bits = (xb.view(int_type) & magnitude).amax(dim=-1)  # [T, B]
-    if bool((amax_bits >= inf_bits).any()):
-        raise ContractError(f"{what}: non-finite values cannot be encoded as fp8 (nothing was written)")
+    bad = (amax_bits >= inf_bits).any(dim=-1)  # [T]
     amax = amax_bits.view(x.dtype).float()
     # Only correctly rounded float32 operations, so every device produces the same bits (CUDA divides by a
     # Python scalar as a multiplication by its reciprocal: multiply by the one float32 constant here too).
     scale = torch.where(amax >= _FLUSH_BELOW, amax * _INV_FP8_MAX, torch.zeros_like(amax))  # [T, B]
-    # x * (1/s) instead of x / s: one pass (bf16 * float32 -> float32); the reciprocal's extra rounding
-    # (2**-24) is far inside the bound's slack. A flushed row gets 1/s = 0: exact zeros.
+    # x * (1/s) instead of x / s: the reciprocal's extra rounding (2**-24) is far inside the bound's slack.
+    # A flushed row gets 1/s = 0: exact zeros.
     inv = torch.where(scale > 0, torch.reciprocal(scale), torch.zeros_like(scale)).unsqueeze(-1)  # [T, B, 1]
-    y = (xb * inv).clamp_(-FP8_MAX, FP8_MAX)  # [T, B, H] float32; |y| <= 448 up to rounding: clamp to be sure
+    # A float32 copy, then an in-place product: the bits of bf16 * float32 (which widens bf16 exactly), 3x faster
+    # on a CPU, where a product of mixed dtypes takes a slow path. No clamp: |y| <= 448 (1 + 2**-22)
+    # from the float32 roundings, and e4m3 rounds all of (448, 464) to 448, the code a clamp would give.
+    y = xb.to(torch.float32, copy=True).mul_(inv)  # [T, B, H]
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(t, width)
-    return codes, scale
+    return codes, scale, bad
 
 
 def decode_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -122,6 +138,58 @@ def encode_states(aux_hidden: torch.Tensor, final_hidden: torch.Tensor, num_aux:
     aux_codes, aux_scale = encode_fp8(aux_hidden, num_aux, what=f"{what} aux_hidden")
     final_codes, final_scale = encode_fp8(final_hidden, 1, what=f"{what} final_hidden")
     return Fp8States(aux_codes, aux_scale, final_codes, final_scale)
+
+
+def encode_samples(states: Sequence[tuple[torch.Tensor, torch.Tensor]], num_aux: int, *, names: Sequence[str],
+                   device: torch.device) -> list[Fp8States]:
+    """Several samples' bf16 (aux_hidden [T, k*H], final_hidden [T, H]) on the CPU -> their Fp8States on the CPU,
+    encoded on ``device``; ``names`` say which sample an error is about.
+
+    Each sample gets :func:`encode_states`' bits: the encoding is per token and block, so samples packed one
+    after another encode as they would alone. On a CPU each sample is encoded where it lies (packing would be
+    one more pass over its bytes); to any other device they travel packed: one copy each way (from and to
+    pinned memory on a GPU, on a stream of their own) and one wait for all of them."""
+    if len(states) != len(names):
+        raise ValueError(f"{len(states)} samples but {len(names)} names")
+    if device.type == "cpu":
+        return [encode_states(aux, final, num_aux, what=name) for (aux, final), name in zip(states, names, strict=True)]
+    return _encode_packed(states, num_aux, names=names, device=device)
+
+
+def _encode_packed(states: Sequence[tuple[torch.Tensor, torch.Tensor]], num_aux: int, *, names: Sequence[str],
+                   device: torch.device) -> list[Fp8States]:
+    """:func:`encode_samples` through one packed buffer per state (any device, the CPU included)."""
+    pin = device.type == "cuda"
+    lengths = [aux.shape[0] for aux, _ in states]
+    aux, final = (_pack([s[i] for s in states], pin=pin) for i in (0, 1))  # [N, k*H], [N, H] bf16
+    stream = torch.cuda.Stream(device) if pin else None
+    with torch.cuda.stream(stream):  # a no-op for None
+        encoded = (*_encode_rows(aux.to(device, non_blocking=pin), num_aux, what="packed aux_hidden"),
+                   *_encode_rows(final.to(device, non_blocking=pin), 1, what="packed final_hidden"))
+        aux_codes, aux_scale, aux_bad, final_codes, final_scale, final_bad = (_to_host(t, pin=pin) for t in encoded)
+        if stream is not None:
+            stream.synchronize()  # the copies to the host are done: their buffers may be read
+    if bool(aux_bad.any() | final_bad.any()):
+        for name, a_bad, f_bad in zip(names, aux_bad.split(lengths), final_bad.split(lengths), strict=True):
+            for what, bad in (("aux_hidden", a_bad), ("final_hidden", f_bad)):
+                if bool(bad.any()):
+                    raise _non_finite(f"{name} {what}")
+    return [Fp8States(*parts) for parts in zip(aux_codes.split(lengths), aux_scale.split(lengths),
+                                                final_codes.split(lengths), final_scale.split(lengths), strict=True)]
+
+
+def _pack(parts: list[torch.Tensor], *, pin: bool) -> torch.Tensor:
+    """Rows of ``parts`` one after another in one new host tensor (pinned: a GPU copies it without waiting)."""
+    out = torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], dtype=parts[0].dtype, pin_memory=pin)
+    return torch.cat(parts, out=out)
+
+
+def _to_host(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """A copy of ``t`` on the host; with ``pin``, queued on the current stream into pinned memory (valid once
+    that stream is synchronized)."""
+    if not pin:
+        return t.cpu()
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 class StoreSample:

@@ -175,32 +175,51 @@ def load_shard(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) ->
     return shard
 
 
-def _load(capture_dir: Path, entry: LedgerEntry, provenance: Provenance,
-          transform: Callable[[LedgerEntry, Shard], Any] | None) -> Any:
-    shard = load_shard(capture_dir, entry, provenance)
-    return shard if transform is None else transform(entry, shard)
+def _load(capture_dir: Path, group: list[LedgerEntry], provenance: Provenance,
+          transform: Callable[[list[tuple[LedgerEntry, Shard]]], list[Any]] | None) -> list[Any]:
+    loaded = [(e, load_shard(capture_dir, e, provenance)) for e in group]
+    return [shard for _, shard in loaded] if transform is None else transform(loaded)
+
+
+def group_entries(entries: Sequence[LedgerEntry], group_bytes: int) -> list[list[LedgerEntry]]:
+    """Greedy packing in order: a group of consecutive entries closes once it holds ``group_bytes`` of shards
+    (0: one entry each)."""
+    out, cur, size = [], [], 0
+    for e in entries:
+        cur.append(e)
+        size += e.bytes
+        if size >= group_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 def prefetch_shards(capture_dir: Path, entries: list[LedgerEntry], provenance: Provenance, *,
-                    transform: Callable[[LedgerEntry, Shard], Any] | None = None,
-                    workers: int = 1) -> Iterator[tuple[LedgerEntry, Any]]:
+                    transform: Callable[[list[tuple[LedgerEntry, Shard]]], list[Any]] | None = None,
+                    workers: int = 1, group_bytes: int = 0) -> Iterator[tuple[LedgerEntry, Any]]:
     """Load shards in order on helper threads, up to PREFETCH_BYTES ahead (hashing releases the GIL).
 
-    transform: applied to each loaded shard on its helper thread (the converter builds the sample's columns
-    there, fp8 encoding included, while the caller writes the previous ones); yields its result, in order.
-    workers: helper threads (more than one where the transform is CPU work: torch ops release the GIL)."""
+    transform: applied on a helper thread to each group of loaded shards, ``[(entry, shard), ...]`` -> one result
+    per shard (the converter builds the samples' columns there, fp8 encoding included, while the caller writes
+    the previous ones); yields ``(entry, result)`` in order (``(entry, shard)`` without a transform).
+    workers: helper threads (more than one where the transform is CPU work: torch ops release the GIL).
+    group_bytes: consecutive shards go to one helper together until they hold this many bytes (0: one by one),
+    for a transform that is cheaper per byte on several samples at once."""
+    groups = group_entries(entries, group_bytes)
+    sizes = [sum(e.bytes for e in g) for g in groups]
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-read")
-    pending: deque[tuple[LedgerEntry, Future]] = deque()
+    pending: deque[tuple[int, Future]] = deque()
     nxt, inflight = 0, 0
     try:
-        while nxt < len(entries) or pending:
-            while nxt < len(entries) and (not pending or inflight + entries[nxt].bytes <= PREFETCH_BYTES):
-                e = entries[nxt]
-                pending.append((e, pool.submit(_load, capture_dir, e, provenance, transform)))
-                inflight += e.bytes
+        while nxt < len(groups) or pending:
+            while nxt < len(groups) and (not pending or inflight + sizes[nxt] <= PREFETCH_BYTES):
+                pending.append((nxt, pool.submit(_load, capture_dir, groups[nxt], provenance, transform)))
+                inflight += sizes[nxt]
                 nxt += 1
-            e, fut = pending.popleft()
-            inflight -= e.bytes
-            yield e, fut.result()
+            g, fut = pending.popleft()
+            inflight -= sizes[g]
+            yield from zip(groups[g], fut.result(), strict=True)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglenest.contract import ContractError
 from eaglenest.drafter.data import collate
 from eaglenest.store import convert, open_store
-from eaglenest.store.encoding import decode_fp8, encode_fp8
+from eaglenest.store.encoding import decode_fp8, encode_fp8, encode_samples, encode_states
 from eaglenest.testing.fake_store import fake_provenance, make_extraction
 
 pytestmark = [pytest.mark.device,
@@ -31,6 +32,23 @@ def test_encode_and_decode_on_the_gpu_match_the_cpu_bit_for_bit():
         f"{[float(x[r, c]) for r, c in diff[:3].tolist()]}, cpu {[int(codes[r, c]) for r, c in diff[:3].tolist()]}, " \
         f"gpu {[int(gcodes[r, c]) for r, c in diff[:3].tolist()]}"
     assert torch.equal(decode_fp8(codes, scale), decode_fp8(gcodes, gscale).cpu())
+
+
+def test_samples_packed_for_the_gpu_get_the_cpu_bits_and_a_non_finite_one_is_named():
+    g = torch.Generator().manual_seed(0)
+    states = [((torch.randn(t, 3 * 64, generator=g) * 10.0 ** (t % 7 - 3)).to(torch.bfloat16),
+               torch.randn(t, 64, generator=g).to(torch.bfloat16)) for t in (1, 17, 300, 2)]
+    names = [f"sample 's{i}'" for i in range(len(states))]
+    together = encode_samples(states, 3, names=names, device=torch.device("cuda"))
+    for (aux, final), name, got in zip(states, names, together, strict=True):
+        alone = encode_states(aux, final, 3, what=name)
+        for field in ("aux_codes", "aux_scale", "final_codes", "final_scale"):
+            assert getattr(got, field).device.type == "cpu" and torch.equal(getattr(got, field), getattr(alone, field))
+    assert torch.tensor([448.00003, 463.9], device="cuda").to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [
+        0x7E, 0x7E]  # the encoder relies on it instead of clamping
+    states[2][1][5, 0] = float("nan")
+    with pytest.raises(ContractError, match="sample 's2' final_hidden: non-finite"):
+        encode_samples(states, 3, names=names, device=torch.device("cuda"))
 
 
 def test_store_converted_on_the_gpu_equals_the_cpu_one_and_collates_on_the_gpu(tmp_path):
