@@ -18,9 +18,11 @@ $(VENV)/.installed: pyproject.toml
 # speculators (vLLM's EAGLE-3 format), for the test that loads our export with its own classes. Its
 # requirements would replace transformers (it pins <= 5.19) and add CUDA torchvision/torchaudio, so it goes
 # in without dependency resolution, plus exactly what its import chain needs.
+# specforge (SpecForge's trainer, for the slow side-by-side tests of scripts/gpu_specforge.py) likewise: it pins
+# torch 2.11 and sglang; its offline EAGLE-3 path needs only datasets besides what is here.
 interop:
 	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 \
-	  multiprocess==0.70.19 xxhash==4.1.0
+	  multiprocess==0.70.19 xxhash==4.1.0 specforge==0.2.0
 	$(PY) -m pip install -q "openai>=2" "loguru==0.7.3" "pandas>=2"
 
 demo: setup

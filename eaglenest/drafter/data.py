@@ -22,7 +22,7 @@ from eaglenest import contract
 from eaglenest.drafter.ttt import Batch
 from eaglenest.store.sampler import LengthBucketSampler
 
-__all__ = ["BatchStream", "Lookahead", "Staged", "collate", "prompt_set_view", "stage"]
+__all__ = ["BatchStream", "Lookahead", "Staged", "collate", "prompt_set_view", "stage", "store_view"]
 
 
 class _View:
@@ -39,6 +39,12 @@ class _View:
 
     def __getitem__(self, i: int):
         return self._store[self._idx[i]]
+
+
+def store_view(store, indices: Sequence[int]):
+    """The samples ``indices`` of ``store`` (in that order) as a store the trainer and evaluator accept:
+    same provenance, ``sample_ids`` and ``num_tokens`` of the subset (e.g. training on the first N samples)."""
+    return _View(store, indices)
 
 
 def prompt_set_view(store, name: str):
