@@ -9,6 +9,9 @@
 #                                                                 eval sets = the calibration capture; export
 #   bench  carry .device/bin .gpu                                live grid (baseline vs EAGLE3, 3 prompt sets,
 #                                                                 concurrency 1 and 16), calibration vs live
+#   specforge  carry .device/bin .device/specforge               SpecForge's trainer and ours on the same samples
+#                                                                 (after data), scored by one evaluator; live:
+#                                                                 DRAFTERS="v16k /tmp/sf/specforge-export" bench
 #
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
 #                                             prompts`)
@@ -20,7 +23,7 @@
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; bench 2 launches of about 2 min each + 3 min of load for 3 sets.
 set -euo pipefail
-STEP=${1:?usage: gpu_session.sh setup|data|train|bench}
+STEP=${1:?usage: gpu_session.sh setup|data|train|bench|specforge}
 OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
@@ -97,20 +100,37 @@ bench)
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
     [ "$first" = 1 ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
+    draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
     mkdir -p "$R/grid-$name" "$R/calib-$name"
-    run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "/tmp/export/$name" \
+    run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "${NUM_PROMPTS:-80}" --concurrency 1,16 --steps "${STEPS:-3}" \
       --max-new-tokens 256 "${base[@]}" || echo "grid $name exited $?" >&2
     cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
     if [ "${CALIB:-0}" = 1 ]; then
-      run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "/tmp/export/$name" \
+      run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "$draft" \
         --prompts /tmp/gpu/calib.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
         || echo "calibration $name exited $?" >&2
     fi
   done
+  ;;
+specforge)
+  # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
+  # datasets multiprocess --no-deps`) next to the kit; both trainers on the same first samples of the store
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sfsite .device/specforge/*.whl
+  export PYTHONPATH="/tmp/site:/tmp/sfsite:$PWD"
+  python3 -c "import specforge.algorithms.eagle3.model"
+  rm -rf /tmp/store-fp8  # the converted features need about 7 GB of disk
+  sf=(--store /tmp/store-bf16 --target "$MODEL" --work /tmp/sf --max-train-tokens "${SF_TOKENS:-1500000}"
+      --epochs "${SF_EPOCHS:-2}" --draft-vocab 16000)
+  evals=(--eval-set mt-bench=/tmp/calib/calibration --eval-set humaneval=/tmp/calib/calibration
+         --eval-set sharegpt=/tmp/calib/calibration)
+  run timeout 90 python3 scripts/gpu_specforge.py convert "${sf[@]}"
+  run timeout 270 env OUT="$R" python3 scripts/gpu_specforge.py train-specforge "${sf[@]}" 2>&1 | grep -v '^step '
+  run timeout 120 env OUT="$R" python3 scripts/gpu_specforge.py train-eaglenest "${sf[@]}" --check-sha256 0
+  run timeout 90 env OUT="$R" python3 scripts/gpu_specforge.py score "${sf[@]}" --check-sha256 0 "${evals[@]}"
   ;;
 *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
