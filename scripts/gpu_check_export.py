@@ -108,7 +108,8 @@ def main() -> None:
     if args.export_only:
         print(json.dumps(summary, indent=1))
         return
-    from eaglenest.engines.pool import launched, local_server, sglang_flags
+    from eaglenest.engines.pool import launched, local_server
+    from eaglenest.engines.sglang_flags import sglang_flags
     from eaglenest.speculative.serve import SpecConfig
 
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.target), "--host", "127.0.0.1",

@@ -49,8 +49,8 @@ from eaglenest.engines.pool import (  # noqa: E402
     local_server,
     log_tail,
     probe_ready,
-    sglang_flags,
 )
+from eaglenest.engines.sglang_flags import sglang_flags  # noqa: E402
 from eaglenest.models import GGUF_SHA256, convert_gguf  # noqa: E402
 
 SGLANG_ARGS = sglang_flags(mem_fraction_static=0.5, cuda_graph=False, chunked_prefill_size=8192, log_level="warning")

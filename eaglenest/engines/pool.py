@@ -16,9 +16,11 @@ the benchmarks and the GPU scripts alike:
 - :class:`ServerRecords` is the one record format (``servers.json``: pid, command line and URL of each
   launched server). Ending recorded servers compares ``/proc/<pid>/cmdline`` with the recorded command,
   so a recycled PID is never killed.
-- :class:`ServerPool` attaches to given URLs or launches N servers in parallel, records them, relaunches
-  dead ones (bounded) and, before launching, ends the servers a killed earlier run left in its record.
-- Commands: :func:`embedded_command` and the SGLang flags known to work (:func:`sglang_flags`).
+- :class:`ServerPool` attaches to given URLs or launches N servers, records them, relaunches dead ones
+  (bounded) and, before launching, ends the servers a killed earlier run left in its record. Servers start in
+  parallel, except those of one launch group (servers sharing a GPU): one after another, each once the
+  previous is ready.
+- Commands: :func:`embedded_command`; SGLang's flags and placements live in :mod:`eaglenest.engines.sglang_flags`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from urllib.parse import urlsplit
 import httpx
 
 from eaglenest import contract
-from eaglenest.engines.sglang_guards import split_flags
 
 ENV_LAUNCH_TOKEN = "EAGLENEST_LAUNCH_TOKEN"
 _PR_SET_PDEATHSIG = 1
@@ -314,6 +315,10 @@ class LaunchSpec:
 
     name: str
     make: Callable[[int], ServerProcess]
+    launch_group: str | None = None
+    """Servers of one group start one after another in spec order, each only once the previous is ready (SGLang
+    servers sharing a GPU: each sizes its memory from what is free when it starts); groups, and servers
+    without one, start in parallel."""
 
 
 @dataclass(slots=True)
@@ -325,8 +330,9 @@ class _Owned:
 
 @dataclass
 class ServerPool:
-    """Given URLs (never launched, never killed) or launched servers, each its own process group; a failed
-    launch stops every server started and raises ``LaunchError``; :meth:`revive` relaunches dead ones."""
+    """Given URLs (never launched, never killed) or launched servers, each its own process group, started in
+    parallel but one after another within a launch group; a failed launch stops every server started, starts
+    no more and raises ``LaunchError``; :meth:`revive` relaunches dead ones."""
 
     urls_given: Sequence[str] = ()
     specs: Sequence[LaunchSpec] = ()
@@ -377,9 +383,12 @@ class ServerPool:
         if self._records is not None:  # servers a killed earlier run of the same extraction left behind
             self._records.end_all()
         self._closing = False
-        ex = cf.ThreadPoolExecutor(len(self._owned), thread_name_prefix="launch")
+        queues = self._launch_queues()
+        ex = cf.ThreadPoolExecutor(len(queues), thread_name_prefix="launch")
         try:
-            for f in [ex.submit(self._launch, o) for o in self._owned]:
+            futures = [ex.submit(self._launch_in_order, q) for q in queues]
+            done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)  # a failure stops all, whoever fails
+            for f in [*done, *futures]:
                 f.result()
         except BaseException:  # a failed launch or a signal: end every group now (their waits then fail fast)
             self.stop()
@@ -387,6 +396,18 @@ class ServerPool:
         finally:
             ex.shutdown(wait=False, cancel_futures=True)
         return self.urls
+
+    def _launch_queues(self) -> list[list[_Owned]]:
+        """The servers of each launch group in spec order; a server without a group is a queue of its own."""
+        queues: dict[tuple[str, object], list[_Owned]] = {}
+        for i, o in enumerate(self._owned):
+            key = ("group", o.spec.launch_group) if o.spec.launch_group is not None else ("alone", i)
+            queues.setdefault(key, []).append(o)
+        return list(queues.values())
+
+    def _launch_in_order(self, queue: Sequence[_Owned]) -> None:
+        for owned in queue:  # the next starts only once the previous is ready; a failure starts no more
+            self._launch(owned)
 
     def _launch(self, owned: _Owned) -> None:
         proc = owned.spec.make(self.port())
@@ -413,7 +434,16 @@ class ServerPool:
                 self._stop_one(o.process)
 
     def revive(self) -> int:
-        """Relaunch owned servers that died or stopped answering; returns how many answer now."""
+        """Relaunch owned servers that died or stopped answering, one after another in spec order (so servers
+        of one launch group restart in their first order); returns how many answer now.
+
+        A relaunch runs the spec's command again, so a server sharing a GPU keeps the memory fraction it was
+        first given (:func:`sglang_placements`). That is safe whichever of them died: SGLang holds that fraction
+        of the memory free when IT starts and leaves the rest, and the last one started on a GPU finds what it
+        found at first, while an earlier one now finds less (the later ones hold theirs), so it takes less than
+        its share; either way the GPU keeps at least the headroom the first launch left. The cost: such a
+        server's KV cache is smaller than at first, and when its weights leave no room SGLang refuses to start
+        (a failed relaunch, counted in ``relaunches`` like any other)."""
         if self.urls_given:
             return sum(1 for u in self.urls if self.ready(u))
         healthy = 0
@@ -453,77 +483,3 @@ def embedded_command(
     if aux_layer_ids:
         cmd += ["--aux-layers", ",".join(str(i) for i in aux_layer_ids)]
     return cmd + list(extra)
-
-
-def sglang_flags(
-    *, attention_backend: str | None = "triton", sampling_backend: str | None = "pytorch",
-    mem_fraction_static: float | None = None, cuda_graph: bool = True, chunked_prefill_size: int | None = None,
-    log_level: str | None = None,
-) -> list[str]:
-    """``sglang.launch_server`` flags: triton attention and pytorch sampling, the backends verified on the GPU
-    kit. Callers set ``mem_fraction_static`` lower when something else shares the GPU (a second server, a
-    reference forward) and turn CUDA graphs off where start-up time matters more than decode speed."""
-    flags: list[str] = []
-    if attention_backend:
-        flags += ["--attention-backend", attention_backend]
-    if sampling_backend:
-        flags += ["--sampling-backend", sampling_backend]
-    if mem_fraction_static is not None:
-        flags += ["--mem-fraction-static", str(mem_fraction_static)]
-    if chunked_prefill_size is not None:
-        flags += ["--chunked-prefill-size", str(chunked_prefill_size)]
-    if not cuda_graph:
-        flags.append("--disable-cuda-graph")
-    if log_level:
-        flags += ["--log-level", log_level]
-    return flags
-
-
-def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[str]:
-    """``args`` plus what lets one server decode ``concurrency`` requests as ONE batch, for each flag the user
-    did not set: ``--max-running-requests`` (admit them all) and ``--cuda-graph-max-bs`` (SGLang replays a CUDA
-    graph only for batches up to that size and decodes larger ones eagerly, several times slower for a small
-    target; its default is below the 512-1024 requests regeneration keeps in flight)."""
-    given = {flag for flag, _ in split_flags(args)}
-    out = list(args)
-    if "--max-running-requests" not in given:
-        out += ["--max-running-requests", str(concurrency)]
-    if "--cuda-graph-max-bs" not in given and "--disable-cuda-graph" not in given:
-        out += ["--cuda-graph-max-bs", str(min(concurrency, 1024))]
-    return out
-
-
-def sglang_tp_size(args: Sequence[str]) -> int:
-    """The tensor-parallel size ``args`` ask for (1 when they do not say)."""
-    sizes = [v for f, v in split_flags(args) if f in ("--tp-size", "--tensor-parallel-size", "--tp")]
-    return int(sizes[0]) if sizes and sizes[0] and sizes[0].isdigit() else 1
-
-
-def visible_gpus() -> int:
-    """GPUs a launched server may use: CUDA_VISIBLE_DEVICES when set, else what torch sees (0 without CUDA)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return len([x for x in env.split(",") if x.strip() and x.strip() != "-1"])
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
-
-
-def sglang_placement_flags(args: Sequence[str], *, index: int, num_servers: int, gpus: int) -> list[str]:
-    """``args`` for server ``index`` of ``num_servers`` launched on one host: each takes the next ``tp`` GPUs
-    (``--base-gpu-id``) unless the user placed them. More servers than GPUs are refused (LaunchError): SGLang
-    sizes its KV cache from ``--mem-fraction-static`` of the WHOLE GPU minus what is in use when it starts, so
-    servers that share a GPU and start together see each other's memory and the later ones find no room
-    (seen on the H200: two SmolLM2 servers at 0.42 each, "no GPU memory for the KV cache")."""
-    out = list(args)
-    if num_servers <= 1 or "--base-gpu-id" in {flag for flag, _ in split_flags(args)}:
-        return out
-    tp = sglang_tp_size(args)
-    if gpus and num_servers * tp > gpus:
-        raise LaunchError(f"{num_servers} SGLang servers x tensor parallel {tp} need {num_servers * tp} GPUs; this "
-                          f"host shows {gpus} (CUDA_VISIBLE_DEVICES / torch): launch fewer servers, or place them "
-                          "yourself with --base-gpu-id and --mem-fraction-static")
-    return [*out, "--base-gpu-id", str(index * tp)]

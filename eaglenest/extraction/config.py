@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eaglenest.data.recipe import DEFAULT_RECIPE, RECIPES, RecipeName, apply_recipe
+from eaglenest.engines.sglang_flags import DEFAULT_SHARED_MEM_FRACTION
 from eaglenest.forms import show_bounds
 
 _DEFAULT = RECIPES[DEFAULT_RECIPE]
@@ -71,7 +72,9 @@ class ExtractParams(BaseModel):
     engine: Literal["embedded", "sglang"] = Field("embedded", description="Capture engine.")
     server_urls: list[str] = Field(default_factory=list, description=(
         "Use these running servers (not launched, never relaunched). Empty = launch num_servers."))
-    num_servers: int = Field(1, ge=1, le=64, description="Servers to launch when server_urls is empty.")
+    num_servers: int = Field(1, ge=1, le=64, description=(
+        "Servers to launch when server_urls is empty. SGLang: each on its own GPUs; more servers than visible "
+        "GPUs (at tensor parallel 1) share them, started one after another per GPU (see sglang_args)."))
     aux_layer_ids: list[int] | None = Field(None, description="Aux decoder layers; default [1, L//2-1, L-4].")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Numerics of launched embedded servers (auto = bf16 where the CPU is fast at it).")
@@ -102,7 +105,10 @@ class ExtractParams(BaseModel):
     shard_wait_s: float = Field(30.0, ge=0, le=3600, description=(
         "How long a shard may take to appear after the answer (SGLang writes it asynchronously)."))
     launch_timeout_s: float = Field(600.0, gt=0, le=7200, description="Bound on a server becoming ready.")
-    sglang_args: list[str] = Field(default_factory=list, description="Extra sglang.launch_server arguments.")
+    sglang_args: list[str] = Field(default_factory=list, description=(
+        "Extra sglang.launch_server arguments. When servers share a GPU, --mem-fraction-static is the total "
+        f"they hold on it together (default {DEFAULT_SHARED_MEM_FRACTION}), split evenly; eaglenest sets each "
+        "server's own value and --base-gpu-id."))
     embedded_max_batch_size: int = Field(8, ge=1, le=256, description="Embedded server: prefills per forward.")
     min_argmax_agreement: float | None = Field(None, ge=0, le=1, description=(
         "Regenerated samples: reject shards whose LM-head argmax agrees with the tokens less often."))

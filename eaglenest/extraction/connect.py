@@ -42,17 +42,13 @@ class RunContext:
 # ------------------------------------------------------------------------------ servers
 def launch_specs(ext: Extraction) -> list[LaunchSpec]:
     """How to start each of ``num_servers`` servers for this extraction (embedded or sglang)."""
-    from eaglenest.engines.pool import (
-        ServerProcess,
-        embedded_command,
-        local_server,
-        sglang_decode_batch_flags,
-        sglang_placement_flags,
-        visible_gpus,
-    )
+    from eaglenest.engines.pool import ServerProcess, embedded_command, local_server
+    from eaglenest.engines.sglang_flags import sglang_decode_batch_flags, sglang_placements, visible_gpus
 
     p = ext.params
-    gpus = visible_gpus() if p.engine == "sglang" else 0
+    # computed once, before any server starts: a placement that cannot work is refused here (LaunchError)
+    placements = (sglang_placements(p.sglang_args, num_servers=p.num_servers, gpus=visible_gpus())
+                  if p.engine == "sglang" else [])
 
     def embedded(i: int) -> LaunchSpec:
         def make(port: int) -> ServerProcess:
@@ -63,22 +59,21 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
         return LaunchSpec(f"embedded-{i}", make)
 
     def sglang(i: int) -> LaunchSpec:
+        place = placements[i]
+
         def make(port: int) -> ServerProcess:
             from eaglenest.engines import sglang_launcher
 
             args = list(p.sglang_args)
             if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
                 args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
-            # data parallel: each server on its own GPUs
-            args = sglang_placement_flags(args, index=i, num_servers=p.num_servers, gpus=gpus)
+            args = place.flags(args)  # data parallel: its GPU, and its memory share when it shares that GPU
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
                 aux_layer_ids=list(ext.aux_layer_ids), sglang_args=args)
             return local_server(cmd, port=port, log_path=ext.path(f"logs/server-{i}.log"), env=env)
-        return LaunchSpec(f"sglang-{i}", make)
+        return LaunchSpec(f"sglang-{i}", make, launch_group=place.launch_group)
 
-    if p.engine == "sglang":  # a placement that cannot work is refused before any server starts
-        sglang_placement_flags(list(p.sglang_args), index=0, num_servers=p.num_servers, gpus=gpus)
     make_spec = embedded if p.engine == "embedded" else sglang
     return [make_spec(i) for i in range(p.num_servers)]
 

@@ -32,7 +32,8 @@ from typing import Any
 import httpx
 
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
-from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready, sglang_flags
+from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready
+from eaglenest.engines.sglang_flags import sglang_flags
 from eaglenest.speculative.serve import SpecConfig
 
 

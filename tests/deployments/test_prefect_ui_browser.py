@@ -132,7 +132,7 @@ def _check_form(ui: UI, schema: dict) -> None:
     described = re.findall(r'"description":\s*"([^"]*)"', json.dumps(schema))
     assert described and not [d for d in described if re.search(r"<[A-Za-z_]", d)]  # (a) nothing the UI eats
     for probe in ("Local folder of this pipeline: extractions/, train/, export/, bench/, stages.json.",
-                  "Servers to launch when server_urls is empty. Range: 1 to 64.",  # (b)
+                  "started one after another per GPU (see sglang_args). Range: 1 to 64.",  # (b)
                   "Tries per request for retryable errors. Range: 1 to 20.",
                   "TTT unroll length k.",
                   "that holds one subfolder per extraction id; empty: the extractions folder inside the run folder."):

@@ -240,11 +240,22 @@ def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, mo
     # data parallel on one host: each server gets its own GPUs
     assert calls[0]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "0"]
     assert calls[1]["sglang_args"] == ["--tp-size", "2", "--base-gpu-id", "2"]
-    # more servers than GPUs: refused before anything starts, naming what to do
+    # more servers than GPUs: they share the GPU, started one after another, each with its memory share of the
+    # user's total; at tensor parallel > 1 refused before anything starts, naming what to do
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    one_gpu = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="g"))
-    with pytest.raises(LaunchError, match="need 2 GPUs; this host shows 1"):
-        launch_specs(one_gpu)
+    calls.clear()
+    one_gpu = open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="g",
+                                    sglang_args=["--mem-fraction-static", "0.7"]))
+    specs = launch_specs(one_gpu)
+    for i, spec in enumerate(specs):
+        spec.make(31000 + i)
+    assert [s.launch_group for s in specs] == ["gpu-0", "gpu-0"]
+    assert calls[0]["sglang_args"] == ["--base-gpu-id", "0", "--mem-fraction-static", "0.35"]
+    assert calls[1]["sglang_args"] == ["--base-gpu-id", "0", "--mem-fraction-static", "0.538"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(LaunchError, match="share GPUs only at tensor parallel 1"):
+        launch_specs(open_extraction(with_(tiny_extract_params, engine="sglang", num_servers=2, extraction_id="t",
+                                           sglang_args=["--tp-size", "2"])))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     # regeneration decodes: every request in flight is admitted and replayed in one CUDA graph batch, unless
     # the user said otherwise
