@@ -1,8 +1,10 @@
 """Helpers shared by the extraction tests (not a test module)."""
 
 import json
+import time
 
 from eaglenest import contract
+from eaglenest.engines.pool import LaunchError
 from eaglenest.extraction.config import ExtractParams
 
 
@@ -45,8 +47,6 @@ class StopAfter:
         self.runner, self.k, self.delay_s = runner, k, delay_s
 
     def generate_greedy(self, input_ids, *, max_new_tokens, ignore_eos):
-        import time
-
         from eaglenest.engines.runtime import Generation
 
         time.sleep(self.delay_s)
@@ -67,3 +67,43 @@ def record_rids(engine) -> list[str]:
 
     engine.submit = recording
     return rids
+
+
+class ThreadServer:
+    """An in-thread embedded server with ServerProcess's interface; ``stop_after`` requests it goes away."""
+
+    def __init__(self, runner, capture_dir, port, stop_after=None):
+        from eaglenest.engines.embedded import EmbeddedEngine
+        from eaglenest.engines.serving import BackgroundServer
+
+        self.engine = EmbeddedEngine(runner, capture_dir=capture_dir)
+        self.bg = BackgroundServer(self.engine, port=port)
+        self.url, self.pid = self.bg.url, None
+        if stop_after is not None:
+            submit, count = self.engine.submit, [0]
+
+            def submit_then_die(work):
+                count[0] += 1
+                if count[0] > stop_after:
+                    self.bg._server.should_exit = True  # the server goes away; in-flight work finishes
+                return submit(work)
+
+            self.engine.submit = submit_then_die
+
+    def start(self):
+        self.bg.start()
+        return self
+
+    def wait_ready(self, *, timeout_s, ready, poll_s=0.05):
+        deadline = time.monotonic() + timeout_s
+        while not ready(self.url):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"in-thread server {self.url} not ready")
+            time.sleep(poll_s)
+
+    def alive(self):
+        return self.bg._thread.is_alive()
+
+    def stop(self):
+        self.bg.stop()
+        self.engine.close()

@@ -2,8 +2,8 @@
 
 Modules: ``config`` (the pydantic parameters), ``state`` (the extraction folder: open, prepare, plan,
 persisted answers, report), ``regenerate`` (the target answers every turn in context), ``prefill``
-(the HTTP client), ``validate`` (shard checks, quarantine), ``ledger`` (what is done), ``connect``
-(servers and the run's expectations), ``stream`` (one round: regenerate -> capture -> validate as a
-pipeline) and ``run`` (the ONE loop, driven by the CLI directly and by the Prefect flow through a step
-wrapper).
+(the HTTP client), ``aio`` (runs the client from sync code so that SIGTERM always ends it), ``validate``
+(shard checks, quarantine), ``ledger`` (what is done), ``connect`` (servers and the run's expectations),
+``stream`` (one round: regenerate -> capture -> validate as a pipeline) and ``run`` (the ONE loop, driven
+by the CLI directly and by the Prefect flow through a step wrapper).
 """

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import httpx
 
 from eaglenest import contract
 from eaglenest.data.samples import Sample
+from eaglenest.extraction.aio import run_sync
 
 Kind = Literal["retryable", "terminal"]
 
@@ -166,10 +166,14 @@ class EngineClient:
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport) as client:
             workers = [asyncio.create_task(self._worker(client, s)) for s in self._servers
                        for _ in range(cfg.concurrency)]
+            finished = False
             try:
                 await self._idle.wait()
+                finished = self._crash is None
             finally:
-                for task in [*self._backoffs, *(w for w in workers if self._crash is not None)]:
+                # a crash or a cancellation (a termination request) ends the in-flight requests now; only a
+                # finished call lets the workers take their end marker, which queues behind any work left
+                for task in [*self._backoffs, *(w for w in workers if not finished)]:
                     task.cancel()
                 for _ in workers:
                     self._put(None)
@@ -407,28 +411,6 @@ async def prefill_async(
                      check=check_capture_answer, on_outcome=on_outcome)
     result.elapsed_s = time.perf_counter() - t0
     return result
-
-
-def run_sync(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
-    """Run a coroutine to completion from sync code, also when the caller's thread has a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro_fn())
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro_fn())
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="eaglenest-client")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def prefill(samples: Sequence[Sample], servers: Sequence[str], **kwargs: Any) -> PrefillResult:

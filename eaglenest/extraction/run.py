@@ -144,13 +144,13 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             stages["stream"] = time.perf_counter() - t1
             progress(dict.fromkeys(base, 0), force=True)
             relaunches, launched = pool.relaunches, pool.launched
+            step(stop_servers, pool)  # inside the try: a signal landing in this stop still ends every server
         except BaseException:
             # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
             # Prefect API may be going down too), and let nothing raised here replace the original exception
             with contextlib.suppress(Exception):
                 pool.stop()
             raise
-        step(stop_servers, pool)
     stages.update({"regenerate": phases.regenerate.seconds, "prefill": phases.prefill.seconds,
                    "validate": phases.validate.seconds})
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,

@@ -21,6 +21,7 @@ from pathlib import Path
 from eaglenest import contract
 from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
+from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.connect import RunContext
 from eaglenest.extraction.prefill import (
     Answer,
@@ -29,7 +30,6 @@ from eaglenest.extraction.prefill import (
     Job,
     capture_request,
     check_capture_answer,
-    run_sync,
 )
 from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
 from eaglenest.extraction.state import (

@@ -248,11 +248,12 @@ def test_planted_extraction_failure_then_ui_retry_resumes_without_redoing_batche
 
 
 def _pipeline_params(model_dir, run_dir: Path) -> dict:
-    """The whole pipeline on the embedded default at tiny size (tiny random Llama, ~12 real ShareGPT prompts)."""
+    """The whole pipeline on the embedded default at tiny size (tiny random Llama, ~40 real ShareGPT prompts: enough
+    that a SIGTERM sent once the first samples are ledgered lands mid-extraction, not after its last sample)."""
     return {"params": {
         "run_dir": str(run_dir),
         "extract": {"recipe": "capture",
-                    "model": str(model_dir), "limit": 60, "max_turns": 1, "max_tokens": 384, "batch_size": 4,
+                    "model": str(model_dir), "limit": 300, "max_turns": 1, "max_tokens": 384, "batch_size": 4,
                     "concurrency": 2, "dtype": "float32", "request_timeout_s": 30, "launch_timeout_s": 120,
                     "shard_wait_s": 1, "extraction_id": "e2e-pipe"},
         "train": {"max_steps": 4, "max_tokens": 1024, "max_seq_len": 384, "draft_vocab_size": 128, "ttt_steps": 2,

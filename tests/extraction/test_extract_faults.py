@@ -18,7 +18,7 @@ from eaglenest.engines.preflight import PreflightError
 from eaglenest.engines.runtime import Captured
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction
-from tests.extract_helpers import assert_complete_and_exact, ledger_ids, with_
+from tests.extract_helpers import ThreadServer, assert_complete_and_exact, ledger_ids, with_
 
 
 def group_gone(pid):
@@ -47,46 +47,6 @@ def test_server_that_never_becomes_healthy_fails_bounded_with_its_log(tmp_path):
     leader = pool._owned[0].process.pid
     assert group_gone(leader)  # leader and its child, the whole process group
     assert not (tmp_path / "servers.json").exists()  # the record is cleared with the last server
-
-
-class ThreadServer:
-    """An in-thread embedded server with ServerProcess's interface; ``stop_after`` requests it goes away."""
-
-    def __init__(self, runner, capture_dir, port, stop_after=None):
-        from eaglenest.engines.embedded import EmbeddedEngine
-        from eaglenest.engines.serving import BackgroundServer
-
-        self.engine = EmbeddedEngine(runner, capture_dir=capture_dir)
-        self.bg = BackgroundServer(self.engine, port=port)
-        self.url, self.pid = self.bg.url, None
-        if stop_after is not None:
-            submit, count = self.engine.submit, [0]
-
-            def submit_then_die(work):
-                count[0] += 1
-                if count[0] > stop_after:
-                    self.bg._server.should_exit = True  # the server goes away; in-flight work finishes
-                return submit(work)
-
-            self.engine.submit = submit_then_die
-
-    def start(self):
-        self.bg.start()
-        return self
-
-    def wait_ready(self, *, timeout_s, ready, poll_s=0.05):
-        deadline = time.monotonic() + timeout_s
-        while not ready(self.url):
-            if time.monotonic() > deadline:
-                raise LaunchError(f"in-thread server {self.url} not ready")
-            time.sleep(poll_s)
-
-    def alive(self):
-        return self.bg._thread.is_alive()
-
-    def stop(self):
-        self.bg.stop()
-        self.engine.close()
 
 
 def test_server_going_away_mid_run_is_relaunched_and_nothing_is_lost(tiny_extract_params, tiny_runner):

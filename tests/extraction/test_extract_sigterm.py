@@ -1,0 +1,211 @@
+"""SIGTERM during an extraction, at controlled points: the run ends at once with the handler's exception (the
+CLI's exit 143, or Prefect's TerminationSignal), its servers stopped, what was validated kept, and a re-run
+does only the rest.
+
+Each test installs a real SIGTERM handler and signals this process. A handler's exception is raised in the
+main thread at whatever line it is running; these tests aim it at the lines that used to lose it: inside
+asyncio's socket write, while every request hangs, and mid-extraction.
+"""
+
+import asyncio
+import asyncio.selector_events
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from eaglenest.cli import app
+from eaglenest.engines.pool import LaunchSpec, ServerPool
+from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job
+from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.state import open_extraction
+from eaglenest.extraction.stream import run_sync
+from tests.extract_helpers import ThreadServer, assert_complete_and_exact, ledger_ids, record_rids, with_
+
+
+class Terminated(BaseException):
+    """What Prefect's SIGTERM handler raises (TerminationSignal): a BaseException that is not SystemExit, which
+    asyncio does not re-raise from its transports and callbacks."""
+
+
+def _raise_terminated(*_):
+    raise Terminated
+
+
+HANDLERS = {"prefect-like": (_raise_terminated, Terminated), "cli": (lambda *_: sys.exit(143), SystemExit)}
+
+
+@contextmanager
+def sigterm_handler(handler):
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def jobs(n):
+    return [Job(f"s{i}", {"rid": f"s{i}", "input_ids": [1, 2, 3]}) for i in range(n)]
+
+
+class SlowServer(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        time.sleep(0.05)
+        body = json.dumps({"meta_info": {}}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_):
+        pass
+
+
+@pytest.fixture
+def slow_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), SlowServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+    srv.server_close()
+
+
+class _SignallingSocket:
+    """A transport's socket whose ``at``-th send is followed by SIGTERM to this process, while asyncio's write
+    still runs inside its own ``try``."""
+
+    sends = 0
+
+    def __init__(self, real, at):
+        self._real, self._at = real, at
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def send(self, data):
+        n = self._real.send(data)
+        type(self).sends += 1
+        if type(self).sends == self._at:
+            signal.raise_signal(signal.SIGTERM)
+        return n
+
+
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_sigterm_inside_an_asyncio_socket_write_ends_the_client_call(kind, slow_server, monkeypatch):
+    """The observed failure: the signal lands in asyncio's socket write, which (event loop on the main thread)
+    took a non-SystemExit exception for a failed write, closed the connection and let the request be retried,
+    so the call ran to its end."""
+    handler, raised = HANDLERS[kind]
+    transport_cls = asyncio.selector_events._SelectorSocketTransport
+    init = transport_cls.__init__
+
+    def wrapped_init(self, loop, sock, *args, **kwargs):
+        init(self, loop, sock, *args, **kwargs)
+        self._sock = _SignallingSocket(self._sock, at=5)
+
+    monkeypatch.setattr(transport_cls, "__init__", wrapped_init)
+    monkeypatch.setattr(_SignallingSocket, "sends", 0)
+    client = EngineClient([slow_server], config=ClientConfig(concurrency=2))
+    with sigterm_handler(handler), pytest.raises(raised):
+        run_sync(lambda: client.run(jobs(40)))
+    assert client.stats.requests < 40 and client.stats.retries == 0  # stopped, and nothing was resent
+
+
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_sigterm_while_every_request_hangs_cancels_them_at_once(kind):
+    """A termination request that arrives while the caller waits cancels the in-flight requests: no waiting
+    for them, and none of the queued work is sent on the way out."""
+    handler, raised = HANDLERS[kind]
+    sent, cancelled = [], []
+
+    async def hang(request):
+        sent.append(json.loads(request.content)["rid"])
+        if len(sent) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(sent[-1])
+            raise
+
+    client = EngineClient(["http://a"], config=ClientConfig(concurrency=2), transport=httpx.MockTransport(hang))
+    t0 = time.monotonic()
+    with sigterm_handler(handler), pytest.raises(raised):
+        run_sync(lambda: client.run(jobs(20)))
+    assert time.monotonic() - t0 < 10  # promptly (the requests would hang forever)
+    assert len(sent) == len(cancelled) == 2  # both in-flight requests cancelled, nothing sent after
+
+
+def _signal_on_request(engine, n):
+    """SIGTERM this process when the engine gets its ``n``-th request (the readiness probe included)."""
+    submit, count = engine.submit, [0]
+
+    def submit_then_signal(work):
+        count[0] += 1
+        if count[0] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return submit(work)
+
+    engine.submit = submit_then_signal
+
+
+def test_sigterm_mid_extraction_stops_the_launched_servers_and_resume_does_only_the_rest(tiny_extract_params,
+                                                                                          tiny_runner):
+    """Prefect's way (the handler raises a BaseException): the run ends with it, the servers it launched are
+    stopped, the ledger keeps what was validated, and a re-run requests only what has no shard yet."""
+    params = with_(tiny_extract_params, batch_size=4, concurrency=2)
+    ext = open_extraction(params)
+    launched, asked = [], []
+
+    def make(port):
+        server = ThreadServer(tiny_runner, ext.capture_dir, port)
+        if not launched:  # the first run: the readiness probe, 6 samples, then SIGTERM at the 7th
+            _signal_on_request(server.engine, 8)
+        asked.append(record_rids(server.engine))
+        launched.append(server)
+        return server
+
+    pool = ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30)
+    with sigterm_handler(_raise_terminated), pytest.raises(Terminated):
+        run_extraction(params, pool=pool)
+    assert len(launched) == 1 and not launched[0].alive()  # stopped on the way out
+    kept = set(ledger_ids(ext.dir))
+    shards = {p.name for p in ext.capture_dir.glob("*.safetensors")}
+
+    report = run_extraction(params, pool=ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30))
+    assert_complete_and_exact(report, ext.dir)
+    assert len(asked[0]) < report["samples"] and kept <= set(ledger_ids(ext.dir))  # it stopped early
+    assert not kept & set(asked[1])  # nothing validated before is asked for again
+    assert report["run"]["reused_shards"] == len(shards) - len(kept)  # answered before: validated, no request
+    assert report["run"]["requests"] == report["samples"] - len(shards)
+
+
+def test_cli_sigterm_mid_extraction_exits_143_and_a_rerun_completes(tiny_model_dir, tmp_path, capture_servers):
+    """The CLI's way (SIGTERM -> sys.exit(143)): exit status 143, then the same command resumes and completes."""
+    out = tmp_path / "out"
+    ((url, engine),) = capture_servers(out / "cli" / "capture")
+    args = ["extract", "--recipe", "capture", "--model", str(tiny_model_dir), "--server-url", url, "--limit", "100",
+            "--max-turns", "1", "--max-tokens", "384", "--output-dir", str(out), "--extraction-id", "cli",
+            "--batch-size", "4", "--concurrency", "2", "--json"]
+    _signal_on_request(engine, 8)
+    rids = record_rids(engine)
+    with sigterm_handler(signal.SIG_DFL):  # the CLI installs its own and restores this one
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 143, result.output
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ledger = out / "cli" / "ledger.jsonl"  # validation may not have caught up with any answer yet
+    kept, first = set(ledger_ids(ledger.parent)) if ledger.is_file() else set(), len(rids)
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    report = json.loads(again.stdout[again.stdout.index("{"):])
+    assert report["complete"] and report["done"] == report["samples"] > first
+    assert not kept & set(rids[first:])  # nothing validated before is asked for again
