@@ -17,7 +17,7 @@
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts.
-# Knobs (environment): LIMIT (10000), CONC (1024), EXTRACT (1; 0 skips it), EXTRACT_S (420), FP8 (1: also an fp8 store), EPOCHS (4), TRAIN_MINUTES (6,
+# Knobs (environment): LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), FP8 (1: also an fp8 store), EPOCHS (4), TRAIN_MINUTES (6,
 # a safety stop), GRID (a gpu_sweep grid JSON, default bf16 and fp8 stores at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -54,7 +54,7 @@ data)
   # reusing every data file already written)
   [ "${EXTRACT:-1}" = 0 ] || run timeout -s TERM "${EXTRACT_S:-420}" python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
     --limit "${LIMIT:-10000}" --max-turns 1 --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
-    --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
+    --num-servers "${NUM_SERVERS:-1}" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
     "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
     --sglang-arg=8192 || echo "extract exited $?" >&2
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
