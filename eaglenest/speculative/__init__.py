@@ -1,11 +1,13 @@
 """Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
 
-Modules (imports point downwards: engines, drafter -> draft, onednn, tree -> drafting -> decoder -> serve -> live
--> report -> bench):
+Modules (imports point downwards: engines, drafter -> draft, onednn -> fastpath, tree -> drafting -> decoder
+-> serve -> live -> report -> bench):
 
 - :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
   :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
 - :mod:`~eaglenest.speculative.onednn`     oneDNN per decoding phase, prepacked linear weights.
+- :mod:`~eaglenest.speculative.fastpath`   the target at decode time: fused projections, grouped-query
+  attention without K/V copies (plain and speculative decoding alike).
 - :mod:`~eaglenest.speculative.tree`       speculation shapes (chain, EAGLE-2 tree), tree verify mask, path
   acceptance, the measured default shape (``cpu_shape.json``).
 - :mod:`~eaglenest.speculative.drafting`   the drafter at decode time (fused weights, preallocated KV, chain

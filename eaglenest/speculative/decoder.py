@@ -18,7 +18,9 @@ may round differently from a 1-token forward, see FACTS.md). ``accept length`` e
 eaglenest counts the bonus token (``a + 1``), as SGLang's ``spec_accept_length`` does.
 
 oneDNN: :class:`~eaglenest.speculative.onednn.OneDNN` chooses per phase (prefill, 1-row steps, multi-row
-verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it.
+verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it; plain and
+speculative decoding run the same prepared target (:func:`~eaglenest.speculative.fastpath.prepare_target`:
+fused projections, grouped-query attention without K/V copies).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.speculative.onednn import OneDNN, pack_linears, phase
+from eaglenest.speculative.fastpath import prepare_target
+from eaglenest.speculative.onednn import OneDNN, phase
 from eaglenest.speculative.tree import DraftTree, SpecShape, accept, verify_inputs
 
 
@@ -95,7 +98,7 @@ def plain_greedy(
 
     stops = _stops(runner, ignore_eos, stop_token_ids)
     model, dev = runner.model, runner.device
-    pack_linears(model)
+    prepare_target(model)
     t0 = time.perf_counter()
     cache = DynamicCache()
     output: list[int] = []
@@ -148,7 +151,7 @@ class SpecDecoder:
                                  f"{list(runner.aux_layer_ids)}")
         from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 
-        pack_linears(runner.model)
+        prepare_target(runner.model)
         fast = FastDrafter(draft)
         return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn)
 
@@ -169,6 +172,7 @@ class SpecDecoder:
 
         stops = _stops(self.runner, ignore_eos, stop_token_ids)
         model, dev, ctx = self.runner.model, self.runner.device, self.runner.context_length
+        prepare_target(model)
         prompt = list(input_ids)
         t0 = time.perf_counter()
         output: list[int] = []

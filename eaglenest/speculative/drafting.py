@@ -67,10 +67,12 @@ class FastDrafter:
         return draft_ids + self.d2t[draft_ids]
 
     def forward(self, st: DraftState, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, *, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """S new rows appended to ``st``: ids [S] target ids, hidden [S, H], positions [S]; ``mask``
         [S, length + S] bool (True = attend) or None (every row sees all earlier rows and itself:
-        S == 1, or a causal extend built here). Returns (pre-norm output [S, H], logits [S, Vd])."""
+        S == 1, or a causal extend built here). Returns (pre-norm output [S, H], logits [S, Vd]).
+        ``last_only``: output [1, H] and logits [1, Vd] of the last row only; the other rows only
+        write their keys/values (all that later rows read of them in a one-layer drafter)."""
         s, start = ids.shape[0], st.length
         x = torch.cat((_rms(F.embedding(ids, self.embed_weight).to(self.dtype), self.n_in, self.eps),
                        _rms(hidden, self.n_hid, self.eps)), dim=-1)  # [S, 2H]
@@ -78,17 +80,31 @@ class FastDrafter:
         q, k, v = qkv.split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), dim=-1)
         self._rope(int(pos.max()) + 1)
         cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [S, 1, hd]
-        q = _rotate(q.view(s, self.nh, self.hd), cos, sin).transpose(0, 1)  # [nh, S, hd]
         k = _rotate(k.view(s, self.nkv, self.hd), cos, sin).transpose(0, 1)  # [nkv, S, hd]
         keys, values = st.append(k, v.view(s, self.nkv, self.hd).transpose(0, 1))
-        if mask is None and s > 1:
-            mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
-        attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                              enable_gqa=self.nh != self.nkv)  # [1, nh, S, hd]
-        residual = self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o") + hidden
+        if last_only and s > 1:  # only the last row goes on; it attends to every row (no mask)
+            q, cos, sin, hidden, mask = q[-1:], cos[-1:], sin[-1:], hidden[-1:], None
+        q = _rotate(q.view(q.shape[0], self.nh, self.hd), cos, sin).transpose(0, 1)  # [nh, rows, hd]
+        residual = self._attend(q, keys, values, mask, start) + hidden
         gate, up = self._lin(_rms(residual, self.n_post, self.eps), "gate_up").chunk(2, dim=-1)
         out = self._lin(F.silu(gate) * up, "down") + residual
         return out, self._lin(_rms(out, self.n_final, self.eps), "head")
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                start: int) -> torch.Tensor:
+        """q [nh, S, hd] over keys/values [nkv, length, hd] -> o_proj output [S, H]. One row folds each
+        K/V head's query group into rows ([nkv, nh/nkv, hd]): several times cheaper than the
+        ``enable_gqa`` kernel for a single query, same math."""
+        s = q.shape[1]
+        if s == 1 and mask is None:
+            attn = F.scaled_dot_product_attention(q.reshape(1, self.nkv, self.nh // self.nkv, self.hd), keys[None],
+                                                  values[None])  # [1, nkv, group, hd]
+            return self._lin(attn.reshape(1, self.nh * self.hd), "o")
+        if mask is None:
+            mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
+        attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                              enable_gqa=self.nh != self.nkv)  # [1, nh, S, hd]
+        return self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,7 +159,7 @@ class Eagle3Proposer:
         ids = torch.tensor(list(tokens), device=self.fd.d2t.device)
         pos = torch.arange(start, start + len(tokens), device=ids.device)
         with phase(self.onednn.rows(len(tokens)) if onednn is None else onednn):
-            out, logits = self.fd.forward(self.state, ids, self.fd.project(aux_hidden), pos, None)
+            out, logits = self.fd.forward(self.state, ids, self.fd.project(aux_hidden), pos, None, last_only=True)
         self.last_hidden, self.last_logits = out[-1:], logits[-1]
 
     def begin(self, prompt_ids: Sequence[int], aux_hidden: torch.Tensor, root: int) -> None:

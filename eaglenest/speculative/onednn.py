@@ -4,10 +4,15 @@ Owns how the embedded decoders run their matmuls. Measured on these CPUs (bf16, 
 oneDNN off a 1-row linear is a fast GEMV but every further row costs about one more weight read
 (a 4-token verify ~3x a 1-token step); with oneDNN on, each call reorders the weight (a 1-token
 step ~2x slower) but rows come almost free. Prepacking the weights once into oneDNN's layout keeps
-the flat cost in rows without the per-call reorder, so a 4-16-token verify costs about one step.
+the flat cost in rows without the per-call reorder: 4-6 rows cost about what 1 row does there. It
+does not reach the GEMV, though: streaming SmolLM2's layer weights from memory, a prepacked 4-row
+matmul reads ~22-25 GB/s against the GEMV's ~29-37 GB/s, plus ~10 us per call (2 cores, AMD EPYC),
+so a 4-token verify's linears cost ~1.4x a 1-token step's.
 
 - :class:`OneDNN`: whether oneDNN runs in each phase (prefill, 1-row decode steps, multi-row verify
   and draft forwards); :func:`phase` switches it for a block.
+- :func:`decoding`: whether this thread is inside a :func:`phase` (where the decoders' fast paths of
+  :mod:`~eaglenest.speculative.fastpath` apply).
 - :func:`pack_linears`: replaces a model's ``nn.Linear`` modules with :class:`PackedLinear`, which
   uses the prepacked weight inside a :func:`phase` with oneDNN on and the plain weight everywhere
   else (so other users of the same model, e.g. capture, compute exactly what they did before).
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_state = threading.local()  # .packed: inside a phase() with oneDNN on, on this thread
+_state = threading.local()  # on this thread: .packed inside a phase() with oneDNN on, .depth phases entered
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,20 +63,25 @@ def packing_available() -> bool:
 
 @contextlib.contextmanager
 def phase(enabled: bool):
-    """oneDNN (and prepacked weights) on or off for one phase (torch's flags() warns about TF32 on
-    Intel GPUs: silenced)."""
-    if not torch.backends.mkldnn.is_available():
-        yield
-        return
+    """oneDNN (and prepacked weights) on or off for one phase of decoding (torch's flags() warns about
+    TF32 on Intel GPUs: silenced)."""
+    available = torch.backends.mkldnn.is_available()
     before = getattr(_state, "packed", False)
-    _state.packed = enabled
+    _state.packed = enabled and available
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-            with torch.backends.mkldnn.flags(enabled=enabled):
+            with torch.backends.mkldnn.flags(enabled=enabled) if available else contextlib.nullcontext():
                 yield
     finally:
         _state.packed = before
+        _state.depth -= 1
+
+
+def decoding() -> bool:
+    """Inside a :func:`phase` (oneDNN on or off) on this thread: the decoders' fast paths apply."""
+    return getattr(_state, "depth", 0) > 0
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -81,6 +81,12 @@ def test_fast_drafter_equals_the_reference_drafter(spec_tiny):
         ref = draft.extend(torch.tensor([s[1: n + 1]]), aux[:, :n], torch.arange(n)[None], cache)
         out, logits = fd.forward(st, torch.tensor(s[1: n + 1]), fd.project(aux[0, :n]), torch.arange(n), None)
         torch.testing.assert_close(logits, ref.logits[0], rtol=1e-5, atol=1e-5)
+        st_last = DraftState(fd, 2)  # the extend's form: only the last row past the keys/values
+        last_out, last = fd.forward(st_last, torch.tensor(s[1: n + 1]), fd.project(aux[0, :n]), torch.arange(n),
+                                    None, last_only=True)
+        torch.testing.assert_close(last, logits[-1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(last_out, out[-1:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(st_last.k[:, :n], st.k[:, :n]) and torch.equal(st_last.v[:, :n], st.v[:, :n])
         h, h_ref = out[-1:], ref.hidden[:, -1:]
         for i in range(3):  # chain steps fed back through each cache
             tok = torch.tensor([s[n + 1 + i]])
