@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
+from eaglenest.speculative.fastpath import one_query_attention
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
@@ -92,13 +93,11 @@ class FastDrafter:
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 start: int) -> torch.Tensor:
-        """q [nh, S, hd] over keys/values [nkv, length, hd] -> o_proj output [S, H]. One row folds each
-        K/V head's query group into rows ([nkv, nh/nkv, hd]): several times cheaper than the
-        ``enable_gqa`` kernel for a single query, same math."""
+        """q [nh, S, hd] over keys/values [nkv, length, hd] -> o_proj output [S, H] (one row: the target's
+        grouped single-query attention, :func:`~eaglenest.speculative.fastpath.one_query_attention`)."""
         s = q.shape[1]
         if s == 1 and mask is None:
-            attn = F.scaled_dot_product_attention(q.reshape(1, self.nkv, self.nh // self.nkv, self.hd), keys[None],
-                                                  values[None])  # [1, nkv, group, hd]
+            attn = one_query_attention(q[None], keys[None], values[None])  # [1, nh, 1, hd]
             return self._lin(attn.reshape(1, self.nh * self.hd), "o")
         if mask is None:
             mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
