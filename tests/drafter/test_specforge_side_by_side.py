@@ -47,6 +47,14 @@ def test_selection_is_the_training_split_in_whole_specforge_steps(sf_script, dra
     assert sel.indices == sorted(sel.indices)  # the first samples of the split, in store order
 
 
+def test_specforge_steps_hold_as_many_samples_as_ours(sf_script, drafter_store, tiny_model_dir, tmp_path):
+    s = _settings(sf_script, tiny_model_dir, tmp_path, max_tokens=1024, sf_batch_size=4)
+    sel = sf_script.select_samples(drafter_store, s)
+    ours = len(sel.indices) / sel.eaglenest_steps_per_epoch
+    assert sel.batch_size <= 4
+    assert abs(sel.batch_size * sel.accumulation_steps - ours) <= sel.accumulation_steps / 2 + 1
+
+
 def test_convert_writes_specforge_offline_features(sf_script, drafter_store, tiny_model_dir, tmp_path):
     from eaglenest.drafter.vocab import build_draft_vocab
 
