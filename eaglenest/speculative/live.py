@@ -34,6 +34,7 @@ import httpx
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready
 from eaglenest.engines.sglang_flags import sglang_flags
+from eaglenest.extraction.aio import run_sync
 from eaglenest.speculative.serve import SpecConfig
 
 
@@ -208,8 +209,10 @@ def run_levels(url: str, prompts: Sequence[list[int]], concurrencies: Sequence[i
     levels = []
     for c in concurrencies:
         n = requests_per_level or requests_for(c, len(prompts))
-        lv = asyncio.run(drive_level(url, prompts, concurrency=c, num_requests=n, max_new_tokens=max_new_tokens,
-                                     ignore_eos=ignore_eos, timeout_s=timeout_s, transport=transport, tag=tag))
+        # on a thread of its own (extraction/aio.py says why): a SIGTERM must end the bench, not one request
+        lv = run_sync(lambda c=c, n=n: drive_level(
+            url, prompts, concurrency=c, num_requests=n, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+            timeout_s=timeout_s, transport=transport, tag=tag))
         if lv.errors == lv.requests:
             raise BenchError(f"every request failed at concurrency {c} on {url}: {lv.first_error}")
         levels.append(lv)
