@@ -17,7 +17,7 @@
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts.
-# Knobs (environment): LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), FP8 (0; 1: also an fp8 store), EPOCHS (8), TRAIN_MINUTES (8.5,
+# Knobs (environment): LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + SGLang stack samples during the extraction, profile.json), FP8 (0; 1: also an fp8 store), EPOCHS (8), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -55,11 +55,18 @@ data)
   # and the calibration capture still fit in the call; `data` again resumes it (the stores are then rebuilt,
   # reusing every data file already written)
   extract() {  # $1 servers, $2 seconds
-    run timeout -s TERM "$2" python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
+    local prof=() dmon=
+    if [ "${PROFILE:-0}" = 1 ]; then  # where the time goes: GPU use each second, SGLang's scheduler/HTTP stacks
+      prof=(env EAGLENEST_SAMPLE_PROFILE="$R/prof")
+      nvidia-smi dmon -s um -d 1 > "$R/dmon.txt" 2>&1 &
+      dmon=$!
+    fi
+    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
       --limit "${LIMIT:-10000}" --max-turns 1 --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
-      --sglang-arg=8192
+      --sglang-arg=8192 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; [ -z "$dmon" ] || kill "$dmon"; return $rc; }
+    [ -z "$dmon" ] || kill "$dmon"
   }
   if [ "${EXTRACT:-1}" != 0 ]; then
     t0=$(date +%s); budget=${EXTRACT_S:-420}
@@ -71,6 +78,13 @@ data)
     fi
   fi
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
+  [ "${PROFILE:-0}" != 1 ] || python3 -c "
+import json, sys
+from collections import Counter
+from eaglenest.testing import sglang_profiler as p
+empty = {'inclusive': Counter(), 'self': Counter(), 'samples': Counter()}
+json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http')}, sys.stdout, indent=1)
+" > "$R/profile.json" || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   run python3 -c "
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers

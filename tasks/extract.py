@@ -87,7 +87,8 @@ def _rates_text(p: Progress) -> str:
     r = p.rates
     return (f"validated {p.validated} of {p.total} (done before this run: {p.done_before}); "
             f"regenerated {p.regenerated} ({p.generated_tokens:,} tokens, {r.get('generated_tok_per_s', 0):,.0f} "
-            f"tok/s); captured {p.answered} ({p.tokens:,} tokens, {r.get('prefill_tok_per_s', 0):,.0f} tok/s); "
+            f"tok/s); captured {p.answered} ({p.tokens:,} tokens, {r.get('prefill_tok_per_s', 0):,.0f} tok/s, "
+            f"{p.capturing} waiting); "
             f"validating {r.get('validated_per_s', 0):,.1f}/s; skipped {p.skipped}; failed {p.failed}; "
             f"{p.elapsed_s:,.0f} s")
 
@@ -129,7 +130,8 @@ def publish_report(rep: dict) -> None:
     """The report's summary, phase times and rates, and the per-sample problems as table artifacts."""
     r, ext_id = rep["run"], rep["extraction_id"]
     rows = [
-        ("done (total)", rep["done"]), ("pending", rep["pending"]), ("validated this run", r["validated"]),
+        ("status", rep["status"]), ("done (total)", rep["done"]), ("pending", rep["pending"]),
+        ("validated this run", r["validated"]),
         ("skipped", rep["skipped_total"]), ("bad records", rep["bad_records"]), ("invalid", r["invalid"]),
         ("failed", r["failed"]), ("retried requests", r["retries"]), ("re-queued", r["requeued"]),
         ("requests", r["requests"]), ("tokens this run", r["tokens"]), ("tok/s", r["tok_per_s"]),

@@ -12,6 +12,15 @@ def with_(params, **kw):
     return ExtractParams(**{**params.model_dump(), **kw})
 
 
+def regen_source(tmp_path, n_prompts=2):
+    """A JSONL source of ``n_prompts`` one-turn prompts (``p0`` ...) and a two-turn conversation ``c``."""
+    rows = [{"id": f"p{i}", "prompt": f"Write a poem about the number {i}."} for i in range(n_prompts)]
+    rows.append({"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                                              {"from": "human", "value": "more"}]})
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return str(tmp_path / "p.jsonl")
+
+
 def ledger_lines(ext_dir):
     """Parseable ledger lines (a torn line left by a crash is not an entry)."""
     out = []

@@ -64,17 +64,23 @@ def _run(params) -> dict:
 
     columns = (TextColumn("[bold]extract[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+    console = Console(stderr=True)
+    log_every_s = None if console.is_terminal else 15.0  # a log file keeps no progress bar: a line now and then
+    logged = [0.0]
+    with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("extract", total=None, info="preparing samples")
 
         def on_progress(p) -> None:
             r = p.rates
             gen = (f"regen {p.regenerated} ({r.get('generated_tok_per_s', 0):,.0f} gen tok/s)  "
                    if p.generated_tokens or p.regenerated else "")
-            info = (f"{gen}captured {p.answered} ({r.get('prefill_tok_per_s', 0):,.0f} tok/s)  "
+            info = (f"{gen}captured {p.answered} ({r.get('prefill_tok_per_s', 0):,.0f} tok/s, {p.capturing} waiting)  "
                     f"validated {p.validated} ({r.get('validated_per_s', 0):,.1f}/s)  skipped {p.skipped}  "
                     f"failed {p.failed}")
             bar.update(task, total=p.total, completed=p.validated + p.skipped + p.failed, info=info)
+            if log_every_s is not None and p.elapsed_s - logged[0] >= log_every_s:
+                logged[0] = p.elapsed_s
+                console.print(f"extract {p.elapsed_s:,.0f} s: {info}", markup=False, highlight=False)
 
         return run_extraction(params, on_progress=on_progress)
 
@@ -85,7 +91,8 @@ def _summary(report: dict) -> None:
 
     r = report["run"]
     table = Table(title=f"extraction {report['extraction_id']}", show_header=False)
-    for k, v in [("folder", report["dir"]), ("done / samples", f"{report['done']} / {report['samples']}"),
+    for k, v in [("folder", report["dir"]), ("status", report["status"]),
+                 ("done / samples", f"{report['done']} / {report['samples']}"),
                  ("pending", report["pending"]), ("skipped", report["skipped"] or 0),
                  ("bad records", report["bad_records"]), ("this run: validated", r["validated"]),
                  ("invalid / failed", f"{r['invalid']} / {r['failed']}"),

@@ -131,11 +131,15 @@ class Regenerator:
 
     def __init__(self, encoder: ChatEncoder, config: RegenConfig, max_tokens: int, *,
                  answers: Mapping[tuple[str, int], TurnAnswer] | None = None,
-                 on_answer: Callable[[TurnAnswer], None] | None = None, priority: int = 0) -> None:
+                 on_answer: Callable[[TurnAnswer], None] | None = None, priority: int = 0,
+                 next_turn_priority: int | None = None) -> None:
+        """``priority``: of a conversation's first request; ``next_turn_priority`` (default the same): of the
+        requests for its later turns (a conversation under way may go ahead of new ones)."""
         self.encoder, self.config, self.max_tokens = encoder, config, max_tokens
         self.stop_ids = {i for i in (encoder.tokenizer.eos_token_id,) if i is not None}
         self.answers = dict(answers or {})
         self.on_answer, self.priority = on_answer, priority
+        self.next_turn_priority = priority if next_turn_priority is None else next_turn_priority
         self.stats = RegenStats()
 
     # ---------------------------------------------------------------- driving
@@ -233,7 +237,7 @@ class Regenerator:
                 sp["sampling_seed"] = _seed(self.config.seed, st.sample.sample_id, st.turn)
             rid = f"{NO_CAPTURE_RID_PREFIX}regen:{st.sample.sample_id}:{st.turn}"
             return Job(rid, {"input_ids": prompt, "rid": rid, "sampling_params": sp}, payload=st,
-                       priority=self.priority)
+                       priority=self.priority if st.turn == 0 else self.next_turn_priority)
         return None
 
     def _drop_rest(self, st: _State, *, keep_this: bool = False) -> None:

@@ -16,6 +16,11 @@ than phase after phase:
 Retryable failures (a dead server) end the round; the dead servers are relaunched and the round runs
 again on what is left (bounded); invalid shards are re-queued once in a last round.
 
+A run that ends by an exception (SIGTERM turned into SystemExit by the CLI, Prefect's termination signal,
+Ctrl-C, a crash) stops its servers, then still writes ``report.json`` with ``status`` ``interrupted`` (a
+BaseException that is not an Exception) or ``failed``, its phase times, rates and counts so far and what
+stays pending, and re-raises the exception: the run's measurements are never lost with it.
+
 Invariants: no request for a sample whose shard is already present (validation decides it), nor for
 an answer already persisted; terminal failures are never resent within a run; every server this run
 launched is stopped on every exit path; one process at a time runs an extraction (folder lock);
@@ -67,6 +72,8 @@ class Progress:
     elapsed_s: float
     rates: dict[str, float] = field(default_factory=dict)
     """generated_tok_per_s, prefill_tok_per_s, validated_per_s (each over its phase's time so far)."""
+    capturing: int = 0
+    """Captures asked for and not answered yet (queued or in flight): when it grows, capture lags."""
 
 # ------------------------------------------------------------------------------ servers
 def start_servers(pool: ServerPool) -> list[str]:
@@ -100,6 +107,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
     if pending:
         base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
         last = [0.0]
+        running: list[RoundResult] = []  # the round in progress: its counts reach the report also when it raises
 
         def progress(live: dict[str, int], *, force: bool = False) -> None:
             now = time.perf_counter()
@@ -113,11 +121,22 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                 validated=done_before + phases.validate.amount,
                 tokens=base["tokens"] + live["tokens"],
                 generated_tokens=phases.regenerate.amount, regenerated=base["regenerated"] + live["regenerated"],
-                requests=counts.requests, elapsed_s=now - t0, rates=phases.rates()))
+                requests=counts.requests, elapsed_s=now - t0, rates=phases.rates(),
+                capturing=live.get("capturing", 0)))
+
+        def round_(todo: Sequence[Sample], **kwargs: Any) -> RoundResult:
+            r = RoundResult()
+            running[:] = [r]
+            step(stream, ext, ctx, todo, phases=phases, on_progress=progress, result=r, **kwargs)
+            running.clear()
+            counts.add(r.counts)
+            for k in base:
+                base[k] += r.live[k]
+            return r
 
         pool = pool or make_pool(ext)
+        t1 = time.perf_counter()
         try:
-            t1 = time.perf_counter()
             step(start_servers, pool)
             stages["launch"] = time.perf_counter() - t1
             t1 = time.perf_counter()
@@ -125,36 +144,54 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             stages["connect"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             requeue, todo = [], pending
-            for round_ in range(params.max_relaunch_rounds + 1):
-                r: RoundResult = step(stream, ext, ctx, todo, phases=phases, on_progress=progress)
-                counts.add(r.counts)
+            for round_no in range(params.max_relaunch_rounds + 1):
+                r = round_(todo)
                 requeue += r.requeue
-                for k in base:
-                    base[k] += r.live[k]
                 todo = r.retry
-                if not todo or round_ == params.max_relaunch_rounds or pool.revive() == 0:
+                if not todo or round_no == params.max_relaunch_rounds or pool.revive() == 0:
                     break
             _give_up(counts, todo)
             if requeue:  # invalid shards, once more
-                r = step(stream, ext, ctx, requeue, phases=phases, on_progress=progress, allow_requeue=False)
-                counts.add(r.counts)
-                for k in base:
-                    base[k] += r.live[k]
-                _give_up(counts, r.retry)
+                _give_up(counts, round_(requeue, allow_requeue=False).retry)
             stages["stream"] = time.perf_counter() - t1
             progress(dict.fromkeys(base, 0), force=True)
             relaunches, launched = pool.relaunches, pool.launched
             step(stop_servers, pool)  # inside the try: a signal landing in this stop still ends every server
-        except BaseException:
+        except BaseException as e:
             # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
             # Prefect API may be going down too), and let nothing raised here replace the original exception
             with contextlib.suppress(Exception):
                 pool.stop()
+            _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, t1=t1, pool=pool)
             raise
-    stages.update({"regenerate": phases.regenerate.seconds, "prefill": phases.prefill.seconds,
-                   "validate": phases.validate.seconds})
+    stages.update(_phase_seconds(phases))
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
                 servers_launched=launched, phases=stages, rates=phases.rates())
+
+
+def _phase_seconds(phases: Phases) -> dict[str, float]:
+    return {"regenerate": phases.regenerate.seconds, "prefill": phases.prefill.seconds,
+            "validate": phases.validate.seconds}
+
+
+def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running: Sequence[RoundResult],
+                   phases: Phases, stages: dict[str, float], error: BaseException, *, t0: float, t1: float,
+                   pool: ServerPool) -> None:
+    """report.json of a run that an exception ends: what it did up to then (the round in progress included) and
+    what stays pending. Written directly (not through the step wrapper) and never raising: the caller re-raises
+    ``error``."""
+    now = time.perf_counter()
+    for r in running:  # its stream() settled these counts on the way out
+        counts.add(r.counts)
+    stage = next((k for k in ("launch", "connect", "stream") if k not in stages), None)
+    if stage is not None:
+        stages[stage] = now - t1  # the step it ended in, up to now
+    stages.update(_phase_seconds(phases))
+    status = "failed" if isinstance(error, Exception) else "interrupted"
+    with contextlib.suppress(Exception):
+        write_report(ext, prepared, counts, wall_s=now - t0, relaunches=pool.relaunches,
+                     servers_launched=pool.launched, phases=stages, rates=phases.rates(), status=status,
+                     ended_by=f"{type(error).__name__}: {error}".rstrip(": "))
 
 
 def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:

@@ -376,12 +376,18 @@ class Counts:
 
 def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s: float, relaunches: int = 0,
                  servers_launched: int = 0, phases: dict[str, float] | None = None,
-                 rates: dict[str, float] | None = None) -> dict:
-    """report.json: totals over the extraction plus what this run did. Returns it."""
+                 rates: dict[str, float] | None = None, status: str | None = None,
+                 ended_by: str | None = None) -> dict:
+    """report.json: totals over the extraction plus what this run did. Returns it.
+
+    ``status``: ``complete`` / ``incomplete`` (samples pending) for a run that ended normally (the default,
+    from the ledger), ``interrupted`` or ``failed`` for one that an exception ended (``ended_by`` names it).
+    ``pending_detail``: of the samples not in the ledger, those with a shard (the next run validates them without
+    a request) and those with a persisted regenerated answer (the next run asks only for their capture)."""
     entries = ext.ledger.entries()
     ids = {s.sample_id for s in prepared.samples}
     done = [e for sid, e in entries.items() if sid in ids]
-    regen_skipped = load_regenerated(ext)[1] if ext.params.regeneration.enabled else {}
+    regenerated, regen_skipped = load_regenerated(ext) if ext.params.regeneration.enabled else ({}, {})
     all_skipped = [*prepared.skipped, *regen_skipped.values()]
     skipped: dict[str, int] = {}
     for s in all_skipped:
@@ -390,13 +396,19 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
         if p["kind"] == "too_long" and p["sample_id"] not in regen_skipped:
             skipped["too_long_for_server"] = skipped.get("too_long_for_server", 0) + 1
     pending = len(prepared.samples) - len(done) - len(regen_skipped) - skipped.get("too_long_for_server", 0)
+    shards = {p.name for p in contract.iter_shard_paths(ext.capture_dir)}
+    waiting = [s for s in prepared.samples if s.sample_id not in entries]
+    pending_detail = {  # what a re-run starts from
+        "shard_written": sum(contract.shard_filename(s.sample_id) in shards for s in waiting),
+        "regenerated": sum(s.sample_id in regenerated for s in waiting),
+    }
     run = asdict(counts)
     run.pop("problems")
     hits, positions = run.pop("argmax_hits"), run.pop("argmax_positions")
     run["prefill_s"], run["validate_s"] = round(run["prefill_s"], 3), round(run["validate_s"], 3)
     report = {
         "extraction_id": ext.id, "dir": str(ext.dir), "samples": len(prepared.samples),
-        "done": len(done), "pending": pending,
+        "done": len(done), "pending": pending, "pending_detail": pending_detail,
         "skipped": skipped, "skipped_total": sum(skipped.values()),
         "bad_records": len(prepared.bad), "bad_record_examples": [asdict(b) for b in prepared.bad[:50]],
         "tokens_done": sum(e.num_tokens for e in done), "loss_tokens_done": sum(e.loss_tokens for e in done),
@@ -408,6 +420,8 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
                 "argmax_agreement": round(hits / positions, 4) if positions else None},
         "problems": counts.problems,
         "complete": pending == 0,
+        "status": status or ("complete" if pending == 0 else "incomplete"),
+        **({"ended_by": ended_by} if ended_by else {}),
     }
     _write_json(ext.path("report.json"), report)
     return report

@@ -10,7 +10,15 @@ from eaglenest.engines.pool import LaunchError
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import ConfigChanged, open_extraction
-from tests.extract_helpers import StopAfter, assert_complete_and_exact, ledger_ids, ledger_lines, record_rids, with_
+from tests.extract_helpers import (
+    StopAfter,
+    assert_complete_and_exact,
+    ledger_ids,
+    ledger_lines,
+    record_rids,
+    regen_source,
+    with_,
+)
 
 
 def test_two_servers_split_one_run_then_rerun_sends_nothing(tiny_extract_params, capture_servers):
@@ -119,14 +127,6 @@ def test_server_with_other_aux_layers_is_refused_before_any_request(tiny_extract
     engine.close()
 
 
-def regen_source(tmp_path, n_prompts=2):
-    rows = [{"id": f"p{i}", "prompt": f"Write a poem about the number {i}."} for i in range(n_prompts)]
-    rows.append({"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
-                                              {"from": "human", "value": "more"}]})
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return str(tmp_path / "p.jsonl")
-
-
 def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path):
     import httpx
 
@@ -165,6 +165,27 @@ def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_par
     assert run_extraction(with_(params, server_urls=[url]))["run"]["requests"] == 0  # nothing regenerated again
     assert engine.stats["requests"] == sent
     assert Counter(e["sample_id"] for e in entries).most_common(1)[0][1] == 1
+
+
+def test_captures_and_next_turns_go_ahead_of_new_conversations(tiny_extract_params, capture_servers, tmp_path):
+    """One request in flight, so the rids arrive in the queue's order: a finished sample's capture is sent right
+    after its last answer and a conversation's next turn right after its first, before any new conversation
+    (when every job had one priority, each capture waited behind the last new conversation)."""
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 5), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)
+    rids = record_rids(engine)
+    progress = []
+    report = run_extraction(with_(params, server_urls=[url]), on_progress=progress.append)
+    assert_complete_and_exact(report, ext.dir)
+    sent = [r for r in rids if r.startswith("nocapture:regen:") or not r.startswith("nocapture:")]  # no probe
+    started = [r.split(":")[2] for r in sent if r.startswith("nocapture:regen:") and r.endswith(":0")]
+    expected = [x for sid in started for x in (
+        *(f"nocapture:regen:{sid}:{turn}" for turn in range(2 if sid == "c" else 1)), sid)]
+    assert len(started) == 6 and sent == expected
+    assert progress[-1].capturing == 0 and progress[-1].answered == 6
 
 
 def test_answers_cut_by_max_new_tokens_are_kept_or_skipped_with_their_reason(tiny_extract_params, capture_servers,

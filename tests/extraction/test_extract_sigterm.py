@@ -28,7 +28,15 @@ from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction
 from eaglenest.extraction.stream import run_sync
-from tests.extract_helpers import ThreadServer, assert_complete_and_exact, ledger_ids, record_rids, with_
+from tests.extract_helpers import (
+    StopAfter,
+    ThreadServer,
+    assert_complete_and_exact,
+    ledger_ids,
+    record_rids,
+    regen_source,
+    with_,
+)
 
 
 class Terminated(BaseException):
@@ -178,6 +186,8 @@ def test_sigterm_mid_extraction_stops_the_launched_servers_and_resume_does_only_
     with sigterm_handler(_raise_terminated), pytest.raises(Terminated):
         run_extraction(params, pool=pool)
     assert len(launched) == 1 and not launched[0].alive()  # stopped on the way out
+    ended = json.loads((ext.dir / "report.json").read_text())
+    assert ended["status"] == "interrupted" and ended["ended_by"] == "Terminated" and not ended["complete"]
     kept = set(ledger_ids(ext.dir))
     shards = {p.name for p in ext.capture_dir.glob("*.safetensors")}
 
@@ -187,6 +197,37 @@ def test_sigterm_mid_extraction_stops_the_launched_servers_and_resume_does_only_
     assert not kept & set(asked[1])  # nothing validated before is asked for again
     assert report["run"]["reused_shards"] == len(shards) - len(kept)  # answered before: validated, no request
     assert report["run"]["requests"] == report["samples"] - len(shards)
+
+
+def test_a_terminated_run_writes_its_report_with_phases_counts_and_what_stays_pending(tiny_extract_params,
+                                                                                      capture_servers, tmp_path):
+    """SIGTERM under the CLI's handler (SystemExit 143) mid-regeneration: report.json says the run was
+    interrupted and by what, with the phase times, rates and counts it reached and what a re-run starts from; the
+    exception still ends the call, and the re-run completes with the status complete."""
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 8), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)
+    _signal_on_request(engine, 8)  # a few samples regenerated and captured, then SIGTERM
+    params = with_(params, server_urls=[url])
+    with sigterm_handler(lambda *_: sys.exit(143)), pytest.raises(SystemExit):
+        run_extraction(params)
+    report = json.loads((ext.dir / "report.json").read_text())
+    assert report["status"] == "interrupted" and report["ended_by"] == "SystemExit: 143" and not report["complete"]
+    r = report["run"]
+    assert r["requests"] >= 5 and r["regenerated"] >= 2 and r["generated_tokens"] >= 2 * 7 and r["tokens"] > 0
+    assert set(r["phases_s"]) >= {"prepare", "launch", "connect", "stream", "regenerate", "prefill", "validate"}
+    assert r["phases_s"]["stream"] > 0 and r["rates"]["generated_tok_per_s"] > 0 and r["rates"]["prefill_tok_per_s"] > 0
+    ledger = ledger_ids(ext.dir) if (ext.dir / "ledger.jsonl").is_file() else []
+    shards = list(ext.capture_dir.glob("*.safetensors"))
+    assert report["done"] == len(ledger) and report["pending"] == report["samples"] - len(ledger) > 0
+    assert report["pending_detail"] == {"shard_written": len(shards) - len(ledger),
+                                        "regenerated": r["regenerated"] - len(ledger)}
+    again = run_extraction(params)
+    assert_complete_and_exact(again, ext.dir)
+    assert again["status"] == "complete" and "ended_by" not in again
+    assert again["pending_detail"] == {"shard_written": 0, "regenerated": 0}
 
 
 def test_cli_sigterm_mid_extraction_exits_143_and_a_rerun_completes(tiny_model_dir, tmp_path, capture_servers):

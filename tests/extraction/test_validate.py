@@ -9,7 +9,13 @@ from safetensors.torch import save as st_save
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.extraction.validate import Expectation, ValidateConfig, argmax_agreement, validate_batch
+from eaglenest.extraction.validate import (
+    Expectation,
+    ValidateConfig,
+    argmax_agreement,
+    argmax_agreements,
+    validate_batch,
+)
 
 H, AUX = 16, (1, 3, 4)
 
@@ -167,6 +173,23 @@ def test_argmax_agreement_on_regenerated_assistant_spans(tmp_path):
     strict = ValidateConfig(shard_wait_s=0, min_argmax_agreement=0.9)
     res = check(tmp_path, [(s, shard_bytes(s, final=final))], lm_head=lm_head, config=strict)
     assert res.invalid[0].kind == "argmax"
+
+
+def test_argmax_of_many_samples_in_one_pass_equals_each_alone():
+    """The batched check (one copy to the LM head's device per group of rows) counts what each sample alone does,
+    whatever the grouping; a sample without loss positions counts (0, 0)."""
+    g = torch.Generator().manual_seed(1)
+    lm_head = torch.randn(40, H, generator=g)  # [V, H]
+    items = []
+    for t, spans in ((9, ((2, 9),)), (5, ()), (12, ((1, 4), (6, 12))), (3, ((0, 3),))):
+        ids = torch.randint(0, 40, (t,), generator=g)
+        final = torch.randn(t, H, generator=g).to(torch.bfloat16)
+        final[: t // 2] = lm_head[ids[1 : t // 2 + 1]].to(torch.bfloat16)  # the first half predicts its next token
+        items.append((final, ids, spans))
+    alone = [argmax_agreement(*item, lm_head) for item in items]
+    assert alone[1] == (0, 0) and all(n > 0 for _, n in alone[:1] + alone[2:]) and any(0 < h < n for h, n in alone)
+    for group_rows, chunk in ((1 << 16, 1024), (4, 3), (1, 1)):
+        assert argmax_agreements(items, lm_head, chunk=chunk, group_rows=group_rows) == alone
 
 
 def test_norm_outliers_are_flagged_not_rejected(tmp_path):
