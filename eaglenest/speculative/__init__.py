@@ -1,13 +1,17 @@
 """Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
 
-Modules (imports point downwards: engines, drafter -> draft, onednn -> fastpath, tree -> drafting -> decoder
--> serve -> live -> report -> bench):
+Modules (imports point downwards: engines, drafter -> draft, kernels -> onednn -> fastpath -> target, tree ->
+drafting -> decoder -> serve -> live -> report -> bench):
 
 - :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
   :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
+- :mod:`~eaglenest.speculative.kernels`    the skinny bf16 linear (``skinny.cpp``): few-row decode matmuls that
+  stream the weights like a 1-row GEMV, built once per machine.
 - :mod:`~eaglenest.speculative.onednn`     oneDNN per decoding phase, prepacked linear weights.
-- :mod:`~eaglenest.speculative.fastpath`   the target at decode time: fused projections, grouped-query
-  attention without K/V copies (plain and speculative decoding alike).
+- :mod:`~eaglenest.speculative.fastpath`   transformers' target at decode time: fused projections, grouped-query
+  attention without K/V copies.
+- :mod:`~eaglenest.speculative.target`     the decode-time target of both decoders: a lean Llama forward with a
+  preallocated KV cache, else transformers' prepared forward.
 - :mod:`~eaglenest.speculative.tree`       speculation shapes (chain, EAGLE-2 tree), tree verify mask, path
   acceptance, the measured default shape (``cpu_shape.json``).
 - :mod:`~eaglenest.speculative.drafting`   the drafter at decode time (fused weights, preallocated KV, chain

@@ -5,7 +5,7 @@ Owns the decode loop (batch 1) and its bookkeeping. One cycle, as SGLang's EAGLE
 
 1. the proposer drafts ``k`` tokens after the current root token (``k = num_steps``; SGLang's
    ``--speculative-num-draft-tokens`` is ``k + 1`` because it counts the root),
-2. ONE target forward over ``[root, d1..dk]`` (KV cache: ``transformers.DynamicCache``) gives the
+2. ONE target forward over ``[root, d1..dk]`` (on the KV cache of the decode-time target) gives the
    target's greedy token after each of them,
 3. the longest prefix of drafts equal to the target's tokens is accepted (``a`` of ``k``), plus the
    target's own next token (the bonus): ``a + 1`` new tokens per target forward,
@@ -18,9 +18,10 @@ may round differently from a 1-token forward, see FACTS.md). ``accept length`` e
 eaglenest counts the bonus token (``a + 1``), as SGLang's ``spec_accept_length`` does.
 
 oneDNN: :class:`~eaglenest.speculative.onednn.OneDNN` chooses per phase (prefill, 1-row steps, multi-row
-verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it; plain and
-speculative decoding run the same prepared target (:func:`~eaglenest.speculative.fastpath.prepare_target`:
-fused projections, grouped-query attention without K/V copies).
+verify/draft) whether oneDNN runs, with the target's and drafter's weights prepacked for it (bf16 forwards
+of at most 16 rows run the skinny kernel of :mod:`~eaglenest.speculative.kernels` instead); plain and
+speculative decoding run the same decode-time target (:func:`~eaglenest.speculative.target.decode_target`:
+a lean Llama forward with a preallocated KV cache, or transformers' prepared forward).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.speculative.fastpath import prepare_target
 from eaglenest.speculative.onednn import OneDNN, phase
+from eaglenest.speculative.target import decode_target
 from eaglenest.speculative.tree import DraftTree, SpecShape, accept, verify_inputs
 
 
@@ -91,24 +92,22 @@ def _stops(runner: TargetRunner, ignore_eos: bool, stop_token_ids: Sequence[int]
 @torch.inference_mode()
 def plain_greedy(
     runner: TargetRunner, input_ids: Sequence[int], *, max_new_tokens: int, ignore_eos: bool = False,
-    stop_token_ids: Sequence[int] = (), onednn: OneDNN = OneDNN(),
+    stop_token_ids: Sequence[int] = (), onednn: OneDNN = OneDNN(), lean: bool = True,
 ) -> PlainGeneration:
-    """Target-only greedy decoding with a KV cache (the baseline every speedup is measured against)."""
-    from transformers import DynamicCache
-
+    """Target-only greedy decoding with a KV cache (the baseline every speedup is measured against),
+    on the same decode-time target as speculation (:func:`~eaglenest.speculative.target.decode_target`)."""
     stops = _stops(runner, ignore_eos, stop_token_ids)
-    model, dev = runner.model, runner.device
-    prepare_target(model)
+    dev = runner.device
+    target = decode_target(runner.model, runner.aux_layer_ids, lean=lean)
     t0 = time.perf_counter()
-    cache = DynamicCache()
     output: list[int] = []
     if max_new_tokens <= 0:
         return PlainGeneration(output_ids=output, finish_reason="length", prefill_s=0.0, decode_s=0.0)
+    cache = target.new_cache(len(input_ids) + max_new_tokens)
     with phase(onednn.prefill):
-        out = model(input_ids=torch.tensor([list(input_ids)], device=dev), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        logits, _ = target.forward(cache, torch.tensor([list(input_ids)], device=dev), last_only=True)
     t1 = time.perf_counter()
-    token, finish = int(torch.argmax(out.logits[0, -1])), "length"
+    token, finish = int(torch.argmax(logits[-1])), "length"
     with phase(onednn.decode):
         while True:
             output.append(token)
@@ -117,8 +116,8 @@ def plain_greedy(
                 break
             if len(output) >= max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
-            token = int(torch.argmax(out.logits[0, -1]))
+            logits, _ = target.forward(cache, torch.tensor([[token]], device=dev))
+            token = int(torch.argmax(logits[-1]))
     return PlainGeneration(output_ids=output, finish_reason=finish, prefill_s=t1 - t0,
                            decode_s=time.perf_counter() - t1)
 
@@ -135,6 +134,8 @@ class SpecDecoder:
     make_proposer: Callable[[], Proposer]
     shape: SpecShape = field(default_factory=SpecShape)
     onednn: OneDNN = field(default_factory=OneDNN)
+    lean: bool = True
+    """Run a Llama-style target as :class:`~eaglenest.speculative.target.LeanTarget` (else transformers')."""
 
     @property
     def num_steps(self) -> int:
@@ -143,7 +144,7 @@ class SpecDecoder:
 
     @classmethod
     def eagle3(cls, runner: TargetRunner, draft: Eagle3Drafter, *, shape: SpecShape = SpecShape(),
-               onednn: OneDNN = OneDNN()) -> SpecDecoder:
+               onednn: OneDNN = OneDNN(), lean: bool = True) -> SpecDecoder:
         if tuple(runner.aux_layer_ids) != draft.config.aux_layer_ids:
             from eaglenest.speculative.draft import DraftLoadError
 
@@ -151,28 +152,18 @@ class SpecDecoder:
                                  f"{list(runner.aux_layer_ids)}")
         from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 
-        prepare_target(runner.model)
+        decode_target(runner.model, runner.aux_layer_ids, lean=lean)
         fast = FastDrafter(draft)
-        return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn)
-
-    def _aux(self, hidden_states: tuple[torch.Tensor, ...], rows: list[int] | None = None) -> torch.Tensor:
-        """[N, k*H] aux states of the target's verify ``rows`` (all rows when None)."""
-        parts = [hidden_states[i + 1][0] for i in self.runner.aux_layer_ids]
-        if rows is not None:
-            index = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows)
-            parts = [p[index] for p in parts]
-        return torch.cat(parts, dim=-1)
+        return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn, lean)
 
     @torch.inference_mode()
     def generate(
         self, input_ids: Sequence[int], *, max_new_tokens: int, ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
     ) -> SpecGeneration:
-        from transformers import DynamicCache
-
         stops = _stops(self.runner, ignore_eos, stop_token_ids)
-        model, dev, ctx = self.runner.model, self.runner.device, self.runner.context_length
-        prepare_target(model)
+        dev, ctx = self.runner.device, self.runner.context_length
+        target = decode_target(self.runner.model, self.runner.aux_layer_ids, lean=self.lean)
         prompt = list(input_ids)
         t0 = time.perf_counter()
         output: list[int] = []
@@ -182,13 +173,12 @@ class SpecDecoder:
         if max_new_tokens <= 0:
             return SpecGeneration(output_ids=output, finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
                                   decode_s=0.0, draft_s=0.0, verify_s=0.0)
-        cache = DynamicCache()
+        cache = target.new_cache(len(prompt) + max_new_tokens + self.shape.nodes + 1)
         with phase(self.onednn.prefill):  # the target's prompt and the drafter's extend over it
-            out = model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
-                        output_hidden_states=True, logits_to_keep=1)
-            root = int(torch.argmax(out.logits[0, -1]))
+            logits, aux = target.forward(cache, torch.tensor([prompt], device=dev), aux=True, last_only=True)
+            root = int(torch.argmax(logits[-1]))
             proposer = self.make_proposer()
-            proposer.begin(prompt, self._aux(out.hidden_states), root)
+            proposer.begin(prompt, aux, root)
         prefill_s = time.perf_counter() - t0
         t_dec = time.perf_counter()
         output.append(root)
@@ -202,12 +192,11 @@ class SpecDecoder:
             t = time.perf_counter()
             ids, pos, mask = verify_inputs(root, tree, n, device=dev)
             with phase(self.onednn.rows(len(tree) + 1)):
-                out = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                            use_cache=True, output_hidden_states=True)
-            path, bonus = accept(tree, out.logits[0].argmax(dim=-1).tolist())
+                logits, aux = target.forward(cache, ids, pos=pos, mask=mask, aux=True)
+            path, bonus = accept(tree, logits.argmax(dim=-1).tolist())
             a = len(path)
             rows = [0, *(i + 1 for i in path)]  # verify rows of the root and the accepted nodes
-            _keep_rows(cache, n, rows)
+            target.keep_rows(cache, n, rows)
             verify_s += time.perf_counter() - t
             new = [*(tree.tokens[i] for i in path), bonus]
             accepted.append(a)
@@ -222,26 +211,12 @@ class SpecDecoder:
             if finish == "stop" or len(output) >= max_new_tokens:
                 break
             t = time.perf_counter()
-            proposer.advance(new, self._aux(out.hidden_states, rows))
+            proposer.advance(new, aux[: len(rows)] if rows == list(range(len(rows))) else aux[rows])
             draft_s += time.perf_counter() - t
             root, n = new[-1], n + a + 1
         return SpecGeneration(output_ids=output, finish_reason=finish, accepted=tuple(accepted), drafted=tuple(drafted),
                               prefill_s=prefill_s, decode_s=time.perf_counter() - t_dec, draft_s=draft_s,
                               verify_s=verify_s)
-
-
-def _keep_rows(cache, past: int, rows: list[int]) -> None:
-    """Keep the target's keys/values of the cached prefix and of the verify ``rows`` (in order), drop
-    the rest: a chain's accepted rows are a prefix (a crop); a tree path is gathered first."""
-    total = cache.get_seq_length()
-    if rows != list(range(len(rows))):
-        src = torch.tensor([past + r for r in rows], device=cache.layers[0].keys.device)
-        for layer in cache.layers:
-            layer.keys[:, :, past: past + len(rows)] = layer.keys[:, :, src]
-            layer.values[:, :, past: past + len(rows)] = layer.values[:, :, src]
-    drop = total - past - len(rows)
-    if drop > 0:
-        cache.crop(-drop)  # a negative crop removes that many tokens on every transformers 5.x
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,73 @@
+"""The bf16 decode kernels of ``skinny.cpp``, built once per machine by torch's C++ extension loader.
+
+Owns whether the kernels can run here and their calls: :func:`skinny_linear` (a few rows times a
+weight, streaming it like a GEMV) and :func:`decode_attention` (grouped-query attention of a few
+rows over a preallocated cache) are None where they cannot (no AVX512-BF16, no compiler, a failed
+build, or ``EAGLENEST_SKINNY=0``); callers fall back to oneDNN and SDPA. Both compute each row
+exactly as they would alone (fixed summation orders, masked keys skipped), so in bf16 a verify
+forward reproduces the 1-row decode steps bit for bit. The first use on a machine compiles them
+(~30 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and rebuilds it when the
+source changes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("skinny.cpp")
+MAX_ROWS = 16
+"""Rows up to which the linear kernel runs. oneDNN's prepacked GEMM costs about the same for any few rows,
+the kernel ~1.2x its 1-row cost at 3-4 rows and more beyond (compute); up to here it keeps rows exact."""
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
+
+
+@functools.cache
+def _module():
+    """The built extension, or None where it cannot run (logged once)."""
+    if os.environ.get("EAGLENEST_SKINNY", "1") == "0" or not _cpu_has_avx512_bf16():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="eaglenest_skinny", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: decode on oneDNN and SDPA instead
+        log.warning("skinny bf16 kernels unavailable (%s: %s); decode forwards use oneDNN and SDPA",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``f(x [M, K] bf16, w [N, K] bf16) -> x @ w.T [M, N] bf16`` (M <= :data:`MAX_ROWS`, N % 4 == 0), or None."""
+    mod = _module()
+    return None if mod is None else mod.skinny_linear
+
+
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """``f(q [S, H, hd], k [Hkv, capacity, hd], v, T, mask [S, T] bool | None) -> [S, H*hd]`` (bf16,
+    softmax scale 1/sqrt(hd); without a mask row s sees keys ``0 .. T - S + s``), or None."""
+    mod = _module()
+    return None if mod is None else mod.decode_attention
+
+
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` runs on the skinny kernel here: bf16, CPU, at most :data:`MAX_ROWS`
+    rows, contiguous, output features a multiple of 4."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] % 4 == 0 and x.is_contiguous()
+            and weight.is_contiguous() and skinny_linear() is not None)

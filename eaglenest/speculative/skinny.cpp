@@ -1,0 +1,229 @@
+// bf16 decode kernels for the CPU (AVX512-BF16), for forwards of a few rows (decode steps, verifies):
+//
+// - skinny_linear: y[M, N] = x[M, K] @ w[N, K]^T. Reads w once in its own row-major layout (no
+//   prepacked copy), one weight row after another, with every row of x in L1: a k-row verify streams
+//   the weights like a 1-row GEMV.
+// - decode_attention: grouped-query attention of S new rows over one layer's preallocated keys/values.
+//
+// Each output row is computed by the same instruction sequence whatever the other rows are (fixed
+// k order and reduction trees, fp32 accumulation, one round to bf16; masked keys skipped, never
+// added as zeros in another order), so a verify forward reproduces 1-row decode steps bit for bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int NJ = 4;  // weight rows (output columns) per tile
+constexpr int MB = 4;  // input rows per tile
+
+// Four fp32 accumulators -> their four sums, by one fixed tree.
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+  __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+  __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+  __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+  __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// One weight row against rows [0, R) of x: two accumulator sets over alternating 32-element chunks
+// (two independent dependency chains), added at the end; the K tail goes to the first set.
+template <int R>
+inline void row_dot(const uint16_t* x, const uint16_t* wr, int64_t K, __m512* out) {
+  __m512 a[R], b[R];
+  for (int m = 0; m < R; ++m) a[m] = b[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+    for (int m = 0; m < R; ++m) {
+      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
+      b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
+    }
+  }
+  for (; k < K; k += 32) {
+    const int64_t left = std::min<int64_t>(32, K - k);
+    const __mmask32 mask = (__mmask32)((1ull << left) - 1);
+    __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+    for (int m = 0; m < R; ++m)
+      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
+  }
+  for (int m = 0; m < R; ++m) out[m] = _mm512_add_ps(a[m], b[m]);
+}
+
+// Rows [0, R) of x against weight rows n0 .. n0 + NJ - 1, one weight row after another: one memory
+// stream per thread (two or more interleaved weight rows streamed measurably slower here).
+template <int R>
+inline void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, c10::BFloat16* y, int64_t N) {
+  __m512 acc[NJ][R];
+  for (int j = 0; j < NJ; ++j) row_dot<R>(x, w + (n0 + j) * K, K, acc[j]);
+  for (int m = 0; m < R; ++m) {  // four sums rounded to bf16 (nearest even) in one instruction
+    __m128bh h = _mm_cvtneps_pbh(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y + m * N + n0), (__m128i)h);
+  }
+}
+
+void rows_tile(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t n0, c10::BFloat16* y,
+               int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const uint16_t* xm = x + m0 * K;
+    c10::BFloat16* ym = y + m0 * N;
+    switch (std::min<int64_t>(MB, M - m0)) {
+      case 1: tile<1>(xm, w, K, n0, ym, N); break;
+      case 2: tile<2>(xm, w, K, n0, ym, N); break;
+      case 3: tile<3>(xm, w, K, n0, ym, N); break;
+      default: tile<4>(xm, w, K, n0, ym, N); break;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "skinny_linear: bf16 x and w expected");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu(), "skinny_linear: contiguous CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(N % NJ == 0, "skinny_linear: output features must be a multiple of ", NJ);
+  auto y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t tiles = N / NJ;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));  // ~64 KB of weights per task
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rows_tile(xp, M, wp, K, t * NJ, yp, N);
+  });
+  return y;
+}
+
+
+namespace {
+
+// bf16 [16] at p -> fp32 [16]
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// e^x for x <= 0 lanes (x = -inf gives 0): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial.
+inline __m512 exp_neg(__m512 x) {
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(~dead, p, _mm512_castsi512_ps(e));
+}
+
+// One query row q [hd] (fp32) of one head over keys/values [T, hd] (bf16, row stride ld), the keys
+// with see(t) false skipped; writes the bf16 output [hd]. Every visible key is visited in the same
+// order and the same lanes whatever T and the mask are, so a row's result does not depend on the
+// other rows of the forward or on masked keys.
+template <typename See>
+void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T, int64_t hd,
+                float scale, See see, float* scores, c10::BFloat16* out) {
+  const int64_t chunks = hd / 16;
+  __m512 qv[8];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    if (!see(t)) { scores[t] = -INFINITY; continue; }
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k + t * ld));
+    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + t * ld + 16 * c), acc);
+    const float sc = _mm512_reduce_add_ps(acc) * scale;
+    scores[t] = sc;
+    mx = std::max(mx, sc);
+  }
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  int64_t t = 0;
+  for (; t + 16 <= T; t += 16) {
+    const __m512 p = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(scores + t), m));
+    _mm512_storeu_ps(scores + t, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  if (t < T) {
+    const __mmask16 tail = (__mmask16)((1u << (T - t)) - 1);
+    const __m512 p = exp_neg(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, scores + t), m));
+    _mm512_mask_storeu_ps(scores + t, tail, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+  __m512 o[8];
+  for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < T; ++u) {
+    if (scores[u] == 0.0f) continue;  // masked (or vanishing) keys add nothing
+    const __m512 p = _mm512_set1_ps(scores[u]);
+    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(p, load16(v + u * ld + 16 * c), o[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c), (__m256i)h);
+  }
+}
+
+}  // namespace
+
+// Grouped-query attention of S new rows: q [S, H, hd] (post-RoPE, any row/head strides), keys and
+// values [Hkv, capacity, hd] of one layer (first T rows valid), mask [S, T] bool or None (row s sees
+// keys 0 .. T - S + s). Returns [S, H * hd] bf16: the o_proj input.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t T,
+                            const c10::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "decode_attention: bf16 expected");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.strides() == k.strides() && k.sizes() == v.sizes(),
+              "decode_attention: q [S, H, hd], k/v [Hkv, capacity, hd] with rows contiguous");
+  const int64_t S = q.size(0), H = q.size(1), hd = q.size(2), Hkv = k.size(0);
+  TORCH_CHECK(k.size(2) == hd && hd % 16 == 0 && hd <= 128 && H % Hkv == 0 && T <= k.size(1) && T >= S,
+              "decode_attention: head_dim a multiple of 16 up to 128, heads a multiple of K/V heads");
+  const uint8_t* mp = nullptr;
+  at::Tensor mc;
+  if (mask.has_value()) {
+    mc = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mc.dim() == 2 && mc.size(0) == S && mc.size(1) == T, "decode_attention: mask [S, T]");
+    mp = reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>());
+  }
+  auto out = at::empty({S, H * hd}, q.options());
+  const auto qf = q.to(at::kFloat);  // [S, H, hd] fp32 (strides of q kept by to())
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int64_t group = H / Hkv, past = T - S;
+  at::parallel_for(0, S * H, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(T + 16);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = i / H, h = i % H;
+      const float* qrow = qf.data_ptr<float>() + s * qf.stride(0) + h * qf.stride(1);
+      const uint16_t* kh = kp + (h / group) * k.stride(0);
+      const uint16_t* vh = vp + (h / group) * k.stride(0);
+      auto* o = out.data_ptr<at::BFloat16>() + s * H * hd + h * hd;
+      if (mp) {
+        const uint8_t* row = mp + s * T;
+        attend_row(qrow, kh, vh, hd, T, hd, scale, [row](int64_t t) { return row[t] != 0; }, scores.data(), o);
+      } else {
+        const int64_t last = past + s;
+        attend_row(qrow, kh, vh, hd, T, hd, scale, [last](int64_t t) { return t <= last; }, scores.data(), o);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "y = x @ w.T, bf16, few rows");
+  m.def("decode_attention", &decode_attention, "grouped-query attention of a few bf16 rows"); }

@@ -1,0 +1,107 @@
+"""The skinny bf16 linear: x @ w.T to bf16 rounding, each row independent of the others (bit for bit),
+and used by the decoders' linears inside a decoding phase only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglenest.speculative import kernels, onednn
+
+
+@pytest.fixture(scope="module")
+def skinny():
+    f = kernels.skinny_linear()
+    if f is None:
+        pytest.skip("skinny kernel unavailable here (no AVX512-BF16 or no compiler)")
+    return f
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (4, 3072, 576), (5, 576, 1536), (7, 64, 40), (16, 8, 100)])
+def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((m, k), (n, k)))
+    y = skinny(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2 * k ** 0.5)
+    for i in range(m):  # a verify row gets exactly what a 1-row step gets
+        assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
+
+
+def test_skinny_refuses_what_it_cannot_compute(skinny):
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        skinny(torch.randn(1, 32).to(torch.bfloat16), w[:6].contiguous())
+    with pytest.raises(RuntimeError, match="bf16"):
+        skinny(torch.randn(1, 32), w)
+
+
+def test_linear_takes_the_kernel_inside_a_phase_only(monkeypatch):
+    calls = []
+
+    def fake(x, w):
+        calls.append(tuple(x.shape))
+        return F.linear(x, w)
+
+    monkeypatch.setattr(kernels, "skinny_linear", lambda: fake)
+    monkeypatch.setattr(onednn, "skinny_linear", lambda: fake)
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    x = torch.randn(1, 3, 32).to(torch.bfloat16)
+    out = onednn.linear(x, w, None)  # outside a phase: the plain F.linear (capture and generate unchanged)
+    assert calls == []
+    with onednn.phase(True):
+        assert torch.equal(onednn.linear(x, w, None), out)
+        onednn.linear(torch.randn(17, 32).to(torch.bfloat16), w, None)  # too many rows: oneDNN / F.linear
+        onednn.linear(x.float(), w.float(), None)  # fp32: never the kernel
+    assert calls == [(3, 32)]
+
+
+def test_the_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("EAGLENEST_SKINNY", "0")
+    assert kernels._module.__wrapped__() is None
+
+
+def _attention_reference(q, k, v, t, mask):
+    """fp32 SDPA over the first ``t`` cache rows: q [S, H, hd], k/v [Hkv, capacity, hd] -> [S, H*hd]."""
+    s, h, hd = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[None, :, :t].float(),
+                                         v[None, :, :t].float(), attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(s, h * hd)
+
+
+@pytest.mark.parametrize(("rows", "t"), [(1, 100), (4, 203), (3, 17), (5, 260)])
+def test_decode_attention_is_sdpa_and_rows_do_not_interact(skinny, rows, t):
+    attend = kernels.decode_attention()
+    g = torch.Generator().manual_seed(rows * t)
+    k, v = (torch.randn(3, 300, 64, generator=g).to(torch.bfloat16) for _ in range(2))  # a preallocated cache
+    q = torch.randn(rows, 12, 64, generator=g).to(torch.bfloat16)[:, :9]  # q of a fused q/k projection: strided
+    causal = torch.ones(rows, t, dtype=torch.bool).tril(t - rows)
+    out = attend(q, k, v, t, None)
+    torch.testing.assert_close(out.float(), _attention_reference(q, k, v, t, causal), rtol=2e-2, atol=2e-2)
+    assert torch.equal(attend(q, k, v, t, causal), out)  # None means causal after the cache
+    for i in range(rows):  # verify row i attends exactly as the 1-row step at its position
+        assert torch.equal(attend(q[i: i + 1], k, v, t - rows + i + 1, None)[0], out[i])
+    tree = causal.clone()
+    tree[-1, t - rows] = False  # the last row skips the first new row: a tree branch
+    torch.testing.assert_close(attend(q, k, v, t, tree).float(), _attention_reference(q, k, v, t, tree),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_speculation_is_lossless_on_the_kernels(skinny, tiny_model_dir, spec_tiny):
+    """With every row computed as it would be alone, bf16 verifies reproduce bf16 decode steps exactly."""
+    from spec_support import random_prompts
+
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.speculative.decoder import plain_greedy
+    from eaglenest.speculative.serve import load_spec_decoder
+    from eaglenest.speculative.target import LeanTarget, decode_target
+
+    runner = TargetRunner(tiny_model_dir, dtype="bfloat16")
+    target = decode_target(runner.model, runner.aux_layer_ids)
+    assert isinstance(target, LeanTarget) and target._kernel_attention is not None
+    for shape in ("chain3", "tree3x2n5"):
+        dec = load_spec_decoder(runner, spec_tiny[2], shape=shape)
+        for ids in random_prompts(4, seed=21):
+            ref = plain_greedy(runner, ids, max_new_tokens=30, ignore_eos=True).output_ids
+            assert dec.generate(ids, max_new_tokens=30, ignore_eos=True).output_ids == ref
