@@ -8,15 +8,11 @@ asyncio's socket write, while every request hangs, and mid-extraction.
 """
 
 import asyncio
-import asyncio.selector_events
 import json
 import os
 import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -37,91 +33,27 @@ from tests.extract_helpers import (
     regen_source,
     with_,
 )
-
-
-class Terminated(BaseException):
-    """What Prefect's SIGTERM handler raises (TerminationSignal): a BaseException that is not SystemExit, which
-    asyncio does not re-raise from its transports and callbacks."""
-
-
-def _raise_terminated(*_):
-    raise Terminated
-
-
-HANDLERS = {"prefect-like": (_raise_terminated, Terminated), "cli": (lambda *_: sys.exit(143), SystemExit)}
-
-
-@contextmanager
-def sigterm_handler(handler):
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+from tests.sigterm_helpers import (  # noqa: F401 (slow_server is a fixture)
+    HANDLERS,
+    Terminated,
+    raise_terminated,
+    sigterm_handler,
+    sigterm_in_socket_send,
+    slow_server,
+)
 
 
 def jobs(n):
     return [Job(f"s{i}", {"rid": f"s{i}", "input_ids": [1, 2, 3]}) for i in range(n)]
 
 
-class SlowServer(BaseHTTPRequestHandler):
-    def do_POST(self):
-        self.rfile.read(int(self.headers["content-length"]))
-        time.sleep(0.05)
-        body = json.dumps({"meta_info": {}}).encode()
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_):
-        pass
-
-
-@pytest.fixture
-def slow_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), SlowServer)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}"
-    srv.shutdown()
-    srv.server_close()
-
-
-class _SignallingSocket:
-    """A transport's socket whose ``at``-th send is followed by SIGTERM to this process, while asyncio's write
-    still runs inside its own ``try``."""
-
-    sends = 0
-
-    def __init__(self, real, at):
-        self._real, self._at = real, at
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def send(self, data):
-        n = self._real.send(data)
-        type(self).sends += 1
-        if type(self).sends == self._at:
-            signal.raise_signal(signal.SIGTERM)
-        return n
-
-
 @pytest.mark.parametrize("kind", HANDLERS)
-def test_sigterm_inside_an_asyncio_socket_write_ends_the_client_call(kind, slow_server, monkeypatch):
+def test_sigterm_inside_an_asyncio_socket_write_ends_the_client_call(kind, slow_server, monkeypatch):  # noqa: F811
     """The observed failure: the signal lands in asyncio's socket write, which (event loop on the main thread)
     took a non-SystemExit exception for a failed write, closed the connection and let the request be retried,
     so the call ran to its end."""
     handler, raised = HANDLERS[kind]
-    transport_cls = asyncio.selector_events._SelectorSocketTransport
-    init = transport_cls.__init__
-
-    def wrapped_init(self, loop, sock, *args, **kwargs):
-        init(self, loop, sock, *args, **kwargs)
-        self._sock = _SignallingSocket(self._sock, at=5)
-
-    monkeypatch.setattr(transport_cls, "__init__", wrapped_init)
-    monkeypatch.setattr(_SignallingSocket, "sends", 0)
+    sigterm_in_socket_send(monkeypatch, at=5)
     client = EngineClient([slow_server], config=ClientConfig(concurrency=2))
     with sigterm_handler(handler), pytest.raises(raised):
         run_sync(lambda: client.run(jobs(40)))
@@ -183,7 +115,7 @@ def test_sigterm_mid_extraction_stops_the_launched_servers_and_resume_does_only_
         return server
 
     pool = ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30)
-    with sigterm_handler(_raise_terminated), pytest.raises(Terminated):
+    with sigterm_handler(raise_terminated), pytest.raises(Terminated):
         run_extraction(params, pool=pool)
     assert len(launched) == 1 and not launched[0].alive()  # stopped on the way out
     ended = json.loads((ext.dir / "report.json").read_text())
