@@ -76,7 +76,7 @@ def _run(params) -> dict:
                    if p.generated_tokens or p.regenerated else "")
             info = (f"{gen}captured {p.answered} ({r.get('prefill_tok_per_s', 0):,.0f} tok/s, {p.capturing} waiting)  "
                     f"validated {p.validated} ({r.get('validated_per_s', 0):,.1f}/s)  skipped {p.skipped}  "
-                    f"failed {p.failed}")
+                    f"failed {p.failed}" + (f" (to retry {p.retrying})" if p.retrying else ""))
             bar.update(task, total=p.total, completed=p.validated + p.skipped + p.failed, info=info)
             if log_every_s is not None and p.elapsed_s - logged[0] >= log_every_s:
                 logged[0] = p.elapsed_s

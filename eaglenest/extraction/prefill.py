@@ -10,7 +10,8 @@ Owns how requests reach servers and which failures are retried:
   tokens, 413 context, 422 capture invalid), 507 (disk full: the server is also taken out of the call,
   no retry storm), and contract violations in an answer (wrong shard name or token count, prefix-cache
   reuse).
-- A server with ``down_after`` consecutive connection failures (or a full window of timeouts) is taken
+- A server with ``down_after`` consecutive connection failures whose ``/health`` does not answer either (or a
+  full window of timeouts) is taken
   out of this call; when none is left, the rest fails fast as retryable ``server_unavailable`` (the
   caller relaunches).
 - :func:`prefill` sends ``{input_ids, rid=sample_id, sampling_params.max_new_tokens=0}`` per sample. The
@@ -50,8 +51,11 @@ class ClientConfig:
     backoff_s: float = 0.5
     backoff_max_s: float = 15.0
     down_after: int = 3
-    """Consecutive connection failures (or max(down_after, concurrency) consecutive timeouts) after which a
-    server takes no more work in this call."""
+    """Consecutive connection failures (when ``/health`` then fails too), or max(down_after, concurrency)
+    consecutive timeouts, after which a server takes no more work in this call."""
+    keepalive_expiry_s: float = 2.0
+    """Idle connections are dropped after this, below the server's keep-alive timeout (SGLang's uvicorn: 5 s),
+    so a request is not sent on a connection the server is closing (it fails without an answer)."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1:
@@ -109,6 +113,10 @@ class ClientStats:
     failed: int = 0
     per_server: dict[str, int] = field(default_factory=dict)
     servers_down: list[str] = field(default_factory=list)
+    down_reasons: list[str] = field(default_factory=list)
+    """Per server taken out: its URL and the errors that took it out."""
+    streaks_survived: int = 0
+    """Streaks of connection failures after which the server still answered ``/health`` (it stayed in)."""
 
 
 class _Attempt(Exception):
@@ -128,6 +136,8 @@ class _Server:
     timeouts: int = 0
     """Consecutive timeouts."""
     workers: int = 0
+    probing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One ``/health`` probe at a time; the workers failing meanwhile wait for its verdict."""
 
 
 OnOutcome = Callable[[Answer | Failure], Iterable[Job] | None]
@@ -150,7 +160,8 @@ class EngineClient:
                   on_outcome: OnOutcome | None = None) -> list[Answer | Failure]:
         cfg = self.config
         timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-        limits = httpx.Limits(max_connections=cfg.concurrency * len(self._servers) + 4)
+        limits = httpx.Limits(max_connections=cfg.concurrency * len(self._servers) + 4,
+                              keepalive_expiry=cfg.keepalive_expiry_s)
         self._queue: asyncio.PriorityQueue[tuple[int, int, Job | None]] = asyncio.PriorityQueue()
         self._seq = 0
         self._open = 0
@@ -159,6 +170,8 @@ class EngineClient:
         self._check, self._on_outcome = check, on_outcome
         self._backoffs: set[asyncio.Task] = set()
         self._crash: BaseException | None = None
+        for server in self._servers:  # a lock belongs to the loop it is first used in: one per call
+            server.probing = asyncio.Lock()
         for job in jobs:
             self._add(job)
         if self._open == 0:
@@ -212,11 +225,12 @@ class EngineClient:
         if self._open == 0:
             self._idle.set()
 
-    def _take_down(self, server: _Server) -> None:
+    def _take_down(self, server: _Server, errors: Sequence[str]) -> None:
         if server.down:
             return
         server.down = True
         self.stats.servers_down.append(server.url)
+        self.stats.down_reasons.append(f"{server.url}: " + "; ".join(errors[-2:]))
         if all(s.down for s in self._servers):
             while not self._queue.empty():
                 *_, job = self._queue.get_nowait()
@@ -261,8 +275,9 @@ class EngineClient:
                 body = await self._post(client, server, job)
             except _Attempt as e:
                 job.errors.append(f"{server.url}: {e.message}")
-                if e.server_down or self._looks_dead(server, e.reason):
-                    self._take_down(server)
+                if e.server_down or (self._looks_dead(server, e.reason)
+                                     and not await self._still_answers(client, server, e.reason)):
+                    self._take_down(server, job.errors)
                 if e.kind == "retryable" and job.attempts < self.config.max_attempts:
                     self.stats.retries += 1
                     delay = e.retry_after if e.retry_after is not None else self._backoff(job.attempts)
@@ -285,6 +300,26 @@ class EngineClient:
         if reason == "timeout":
             return server.timeouts >= max(self.config.down_after, self.config.concurrency)
         return False
+
+    async def _still_answers(self, client: httpx.AsyncClient, server: _Server, reason: str) -> bool:
+        """After a streak of connection failures: does ``/health`` answer? Under load a live server can reset
+        a burst of connections (keep-alive races, a full accept backlog); taking it out would fail everything
+        queued and end the round (on the H200 this cost a round restart and about a minute of idle GPU). A
+        live server stays in with its streak reset; timeouts are judged by their window alone."""
+        if reason != "connection":
+            return False
+        async with server.probing:
+            if server.down or not self._looks_dead(server, reason):
+                return not server.down  # a probe meanwhile decided
+            try:
+                r = await client.get(f"{server.url}/health", timeout=self.config.connect_timeout_s)
+                alive = r.status_code == 200
+            except httpx.HTTPError:
+                alive = False
+            if alive:
+                server.failures = 0
+                self.stats.streaks_survived += 1
+            return alive
 
     def _backoff(self, attempt: int) -> float:
         base = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))

@@ -74,6 +74,8 @@ class Progress:
     """generated_tok_per_s, prefill_tok_per_s, validated_per_s (each over its phase's time so far)."""
     capturing: int = 0
     """Captures asked for and not answered yet (queued or in flight): when it grows, capture lags."""
+    retrying: int = 0
+    """Retryable failures of the round in progress (a server taken out): the next round tries them again."""
 
 # ------------------------------------------------------------------------------ servers
 def start_servers(pool: ServerPool) -> list[str]:
@@ -122,7 +124,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                 tokens=base["tokens"] + live["tokens"],
                 generated_tokens=phases.regenerate.amount, regenerated=base["regenerated"] + live["regenerated"],
                 requests=counts.requests, elapsed_s=now - t0, rates=phases.rates(),
-                capturing=live.get("capturing", 0)))
+                capturing=live.get("capturing", 0), retrying=live.get("retry", 0)))
 
         def round_(todo: Sequence[Sample], **kwargs: Any) -> RoundResult:
             r = RoundResult()

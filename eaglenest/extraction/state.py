@@ -361,14 +361,18 @@ class Counts:
     """Seconds from the first capture request to the last capture answer (overlaps regeneration)."""
     validate_s: float = 0.0
     """Seconds spent validating (in a thread, overlapping regeneration and prefill)."""
+    streaks_survived: int = 0
+    """Streaks of connection failures after which the server still answered /health (it kept its work)."""
+    servers_taken_out: list[str] = field(default_factory=list)
+    """Per server taken out of a round: its URL and the last errors (its queued work went to the next round)."""
     argmax_hits: float = 0.0
     argmax_positions: int = 0
     problems: list[dict] = field(default_factory=list)
 
     def add(self, other: Counts) -> Counts:
         for k, v in asdict(other).items():
-            if k == "problems":
-                self.problems.extend(v)
+            if isinstance(v, list):
+                getattr(self, k).extend(v)
             else:
                 setattr(self, k, getattr(self, k) + v)
         return self

@@ -205,8 +205,9 @@ class RoundResult:
     failures: dict[str, Failure] = field(default_factory=dict)
     requeue: list[Sample] = field(default_factory=list)
     live: dict[str, int] = field(default_factory=dict)
-    """answered / failed / tokens / regenerated / skipped (summed over rounds in progress), and capturing:
-    captures asked for and not answered yet (queued or in flight; a growing number means capture lags)."""
+    """answered / failed (terminal) / retry (retryable: the next round) / tokens / regenerated / skipped (summed
+    over rounds in progress), and capturing: captures asked for and not answered yet (queued or in flight; a
+    growing number means capture lags)."""
 
 
 def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phases: Phases | None = None,
@@ -219,7 +220,8 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     c = res.counts
     dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
     regen = ext.params.regeneration.enabled
-    live = res.live = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0, "capturing": 0}
+    live = res.live = {"answered": 0, "failed": 0, "retry": 0, "tokens": 0, "regenerated": 0, "skipped": 0,
+                       "capturing": 0}
     validator = Validator(ext, ctx, phases.validate, chunk=ext.params.batch_size, allow_requeue=allow_requeue)
     answers_log = JsonlLog(ext.path(ANSWERS)) if regen else None
     regen_log = JsonlLog(ext.path(REGENERATED)) if regen else None
@@ -258,10 +260,11 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
         return capture(out)
 
     def failed(sample: Sample, f: Failure, stage: str) -> None:
-        live["failed"] += 1
-        if f.kind == "retryable":
+        if f.kind == "retryable":  # the next round tries it again
+            live["retry"] += 1
             res.retry.append(sample)
         else:
+            live["failed"] += 1
             res.failures[sample.sample_id] = f
             c.problems.append(problem(sample.sample_id, stage, f.reason, f.message))
             if stage == "prefill" and f.reason == "contract":  # its shard must not stay under the capture name
@@ -341,6 +344,7 @@ def _settle(res: RoundResult, validator: Validator, regenerator: Regenerator | N
     c.failed = len(res.failures)
     if client is not None:
         c.requests, c.retries = client.stats.requests, client.stats.retries
+        c.streaks_survived, c.servers_taken_out = client.stats.streaks_survived, list(client.stats.down_reasons)
     if regenerator is not None:
         c.generated_tokens = regenerator.stats.generated_tokens
         c.replayed_answers = regenerator.stats.replayed

@@ -60,9 +60,14 @@ def test_server_going_away_mid_run_is_relaunched_and_nothing_is_lost(tiny_extrac
         return launched[-1]
 
     pool = ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30, max_relaunches=2)
-    report = run_extraction(params, pool=pool)
+    seen = []
+    report = run_extraction(params, pool=pool, on_progress=seen.append)
     assert_complete_and_exact(report, ext.dir)
     assert len(launched) == 2 and report["run"]["relaunches"] == 1
+    (why,) = report["run"]["servers_taken_out"]  # the dead one (its /health refused too), and why
+    assert "connection failed" in why and report["run"]["streaks_survived"] == 0
+    # the samples it left are retried, not failed: the progress (its last line forced) never showed them as failed
+    assert seen and all(p.failed == 0 for p in seen) and seen[-1].retrying == 0
     computed = sum(s.engine.stats["requests"] - 1 for s in launched)  # minus each readiness probe
     assert computed == report["samples"]  # each sample computed once: none lost, none redone
     assert not any(s.alive() for s in launched)

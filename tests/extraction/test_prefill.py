@@ -27,14 +27,23 @@ def ok(request, **meta):
     return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": info})
 
 
-class Recorder:
-    """A fake set of servers: ``rule(request, n, rid_count)`` answers; records every request."""
+def refuse(request):
+    raise httpx.ConnectError("connection refused", request=request)
 
-    def __init__(self, rule):
+
+class Recorder:
+    """A fake set of servers: ``rule(request, n, rid_count)`` answers; records every request. ``health``
+    answers ``GET /health`` (default 200; ``refuse`` for a dead server)."""
+
+    def __init__(self, rule, health=None):
         self.rule, self.calls, self.per_rid = rule, [], {}
+        self.health, self.probes = health or (lambda req: httpx.Response(200)), []
 
     async def __call__(self, request):
         await asyncio.sleep(0)  # yield like a real connection, so every worker gets work
+        if request.method == "GET" and request.url.path == "/health":
+            self.probes.append(str(request.url.host))
+            return self.health(request)
         rid = json.loads(request.content)["rid"]
         self.per_rid[rid] = self.per_rid.get(rid, 0) + 1
         self.calls.append((str(request.url.host), rid))
@@ -115,16 +124,32 @@ def test_dead_server_is_taken_out_and_its_work_moves_to_the_live_one():
             raise httpx.ConnectError("connection refused", request=req)
         return ok(req)
 
-    rec = Recorder(rule)
+    rec = Recorder(rule, health=lambda req: refuse(req) if req.url.host == "b" else httpx.Response(200))
     res = run(rec, n=20, servers=(A, B), max_attempts=4, down_after=2)
     assert len(res.answers) == 20 and not res.failures
-    assert res.stats.servers_down == [B]
+    assert res.stats.servers_down == [B] and "connection refused" in res.stats.down_reasons[0]
+    assert set(rec.probes) == {"b"} and res.stats.streaks_survived == 0
     assert all(a.server == A for a in res.answers.values())
     assert sum(1 for host, _ in rec.calls if host == "b") <= 2 + 3  # down after 2 + in-flight ones
 
 
+def test_a_live_server_that_resets_a_burst_of_connections_keeps_its_work():
+    """Under load SGLang's HTTP server reset a burst of connections (on the H200 the client then took the only
+    server out: 7,568 queued samples failed at once and the round restarted). /health still answers: it stays."""
+    def rule(req, n, tries):
+        if 5 <= n <= 14:  # ten resets in a row, far past down_after
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=req)
+        return ok(req)
+
+    rec = Recorder(rule)
+    res = run(rec, n=30, max_attempts=4, down_after=2)
+    assert len(res.answers) == 30 and not res.failures  # nothing failed, nothing left for another round
+    assert res.stats.servers_down == [] and res.stats.streaks_survived >= 1 and rec.probes
+
+
 def test_all_servers_dead_fails_fast_as_retryable():
-    rec = Recorder(lambda req, n, tries: (_ for _ in ()).throw(httpx.ConnectError("refused", request=req)))
+    rec = Recorder(lambda req, n, tries: (_ for _ in ()).throw(httpx.ConnectError("refused", request=req)),
+                   health=refuse)
     res = run(rec, n=30, servers=(A, B), max_attempts=10, down_after=2)
     assert not res.answers and len(res.failures) == 30
     assert {f.kind for f in res.failures.values()} == {"retryable"}
