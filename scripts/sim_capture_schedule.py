@@ -8,8 +8,10 @@
 answer length / per-request decode rate (``--gen-tok-s`` shared by every request in flight; 58.66% of answers
 cut at 512 tokens, the rest 30-500, as in the H200's 10K ShareGPT regeneration); each finished sample queues
 its capture, served by one resource at ``--capture-tok-s`` (``--tokens`` per sample). Time runs ``--scale``
-times faster than printed. Two orders are compared: every job at one priority (FIFO: what the extraction did
-before), and :mod:`eaglenest.extraction.stream`'s priorities (capture before new conversations). Printed: when
+times faster than printed. Three schedules are compared: every job at one priority (FIFO: what the extraction
+did before), :mod:`eaglenest.extraction.stream`'s priorities (capture before new conversations) on shared
+slots, and the same with the captures in their own lane (``concurrency // 4``, the default). A request's decode
+rate is fixed, so a capture holding a slot lowers the generation rate, as on the H200. Printed: when
 the last generation and the last capture answered, and how far capture lagged. A model of the queue only: the
 GPU time that capture takes from decoding is not modelled (so the generation end moves little).
 """
@@ -24,11 +26,12 @@ import time
 
 import httpx
 
-from eaglenest.extraction.prefill import Answer, ClientConfig, EngineClient, Failure, Job
+from eaglenest.extraction.prefill import CAPTURE_LANE, Answer, ClientConfig, EngineClient, Failure, Job
 from eaglenest.extraction.stream import CAPTURE, NEW_CONVERSATION
 
 
-def simulate(a: argparse.Namespace, *, capture_priority: int, new_priority: int) -> dict[str, float]:
+def simulate(a: argparse.Namespace, *, capture_priority: int, new_priority: int,
+             capture_lane: int = 0) -> dict[str, float]:
     rng = random.Random(0)
     lengths = [512 if rng.random() < 0.5866 else rng.randint(30, 500) for _ in range(a.samples)]
     per_request = a.gen_tok_s / (a.servers * a.concurrency)  # tok/s of one request with every worker busy
@@ -53,10 +56,13 @@ def simulate(a: argparse.Namespace, *, capture_priority: int, new_priority: int)
             return []
         regen_done.append(now)
         sid = o.key.rsplit(":", 1)[1]
-        return [Job(f"s{sid}", {"rid": f"s{sid}"}, priority=capture_priority)]
+        return [Job(f"s{sid}", {"rid": f"s{sid}"}, priority=capture_priority,
+                    lane=CAPTURE_LANE if capture_lane else None)]
 
+    lanes = ((CAPTURE_LANE, capture_lane),) if capture_lane else ()
     client = EngineClient([f"http://sim-{k}" for k in range(a.servers)],
-                          config=ClientConfig(concurrency=a.concurrency), transport=httpx.MockTransport(answer))
+                          config=ClientConfig(concurrency=a.concurrency, lanes=lanes),
+                          transport=httpx.MockTransport(answer))
     jobs = [Job(f"nocapture:{i}", {"rid": f"nocapture:{i}"}, priority=new_priority) for i in range(a.samples)]
     asyncio.run(client.run(jobs, on_outcome=on_outcome))
     at = regen_done[int(0.9 * len(regen_done))]
@@ -75,8 +81,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=574)
     ap.add_argument("--scale", type=float, default=5.0)
     a = ap.parse_args()
-    for name, cap, new in (("one priority (FIFO)", 0, 0), ("capture first", CAPTURE, NEW_CONVERSATION)):
-        r = simulate(a, capture_priority=cap, new_priority=new)
+    lane = max(1, a.concurrency // 4)  # the extraction's default capture_concurrency
+    for name, cap, new, own in (("one priority (FIFO)", 0, 0, 0), ("capture first", CAPTURE, NEW_CONVERSATION, 0),
+                                (f"capture lane ({lane})", CAPTURE, NEW_CONVERSATION, lane)):
+        r = simulate(a, capture_priority=cap, new_priority=new, capture_lane=own)
         print(f"{name:<20} last generation {r['last_generation_s']:6.0f} s, last capture {r['last_capture_s']:6.0f} s; "
               f"at 90% generated ({r['at_90pct_generated_s']:.0f} s) {r['captured_then']} captured; median capture "
               f"lag {r['median_capture_lag_s']:.1f} s", flush=True)

@@ -39,15 +39,16 @@ def sglang_flags(
     return flags
 
 
-def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int) -> list[str]:
+def sglang_decode_batch_flags(args: Sequence[str], *, concurrency: int, admit: int = 0) -> list[str]:
     """``args`` plus what lets one server decode ``concurrency`` requests as ONE batch, for each flag the user
-    did not set: ``--max-running-requests`` (admit them all) and ``--cuda-graph-max-bs`` (SGLang replays a CUDA
-    graph only for batches up to that size and decodes larger ones eagerly, several times slower for a small
-    target; its default is below the 512-1024 requests regeneration keeps in flight)."""
+    did not set: ``--max-running-requests`` (admit them all, plus ``admit`` more: the captures of their own
+    lane, which must not wait for a decode slot) and ``--cuda-graph-max-bs`` (SGLang replays a CUDA graph only
+    for batches up to that size and decodes larger ones eagerly, several times slower for a small target; its
+    default is below the 512-1024 requests regeneration keeps in flight)."""
     given = {flag for flag, _ in split_flags(args)}
     out = list(args)
     if "--max-running-requests" not in given:
-        out += ["--max-running-requests", str(concurrency)]
+        out += ["--max-running-requests", str(concurrency + admit)]
     if "--cuda-graph-max-bs" not in given and "--disable-cuda-graph" not in given:
         out += ["--cuda-graph-max-bs", str(min(concurrency, 1024))]
     return out

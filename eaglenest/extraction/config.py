@@ -82,8 +82,13 @@ class ExtractParams(BaseModel):
         "Most samples per validation chunk (validation runs in a thread beside the engine work; it never "
         "drains the requests in flight)."))
     concurrency: int = Field(8, ge=1, le=4096, description=(
-        "Requests in flight per server (regeneration and capture share them). A GPU server needs enough to "
-        "keep its decode batch full: 512-1024 for a small target on one H200."))
+        "Requests in flight per server. While regenerating these are the generations (a GPU server needs "
+        "enough to keep its decode batch full: 512-1024 for a small target on one H200) and the captures have "
+        "their own lane (capture_concurrency)."))
+    capture_concurrency: int | None = Field(None, ge=1, le=4096, description=(
+        "While regenerating: capture requests in flight per server, in a lane of their own so that captures "
+        "waiting for their shards never take the generations' slots (None = concurrency // 4, at least 1). "
+        "Plain capture uses concurrency."))
     max_tokens: int | None = Field(_DEFAULT.max_tokens, ge=8, description=(
         "Token cap per sample: longer ones are skipped, never truncated (None = the context length)."))
     context_headroom: int = Field(8, ge=0, le=4096, description="Tokens kept free below the context length.")
@@ -145,6 +150,13 @@ class ExtractParams(BaseModel):
         if self.min_argmax_agreement is not None and not self.regeneration.enabled:
             raise ValueError("min_argmax_agreement: only applies with regeneration.enabled")
         return self
+
+    @property
+    def capture_lane(self) -> int | None:
+        """Capture requests in flight per server in their own lane (None: no lane, captures use concurrency)."""
+        if not self.regeneration.enabled:
+            return None
+        return self.capture_concurrency or max(1, self.concurrency // 4)
 
     @property
     def output_path(self) -> str:

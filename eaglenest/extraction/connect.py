@@ -17,7 +17,7 @@ from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder
 from eaglenest.engines.pool import LaunchSpec, ServerPool
 from eaglenest.engines.preflight import PreflightError, preflight
-from eaglenest.extraction.prefill import ClientConfig
+from eaglenest.extraction.prefill import CAPTURE_LANE, ClientConfig
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
 from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head
@@ -66,7 +66,7 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
 
             args = list(p.sglang_args)
             if p.regeneration.enabled:  # decoding dominates: keep every request in flight in one graph batch
-                args = sglang_decode_batch_flags(args, concurrency=p.concurrency)
+                args = sglang_decode_batch_flags(args, concurrency=p.concurrency, admit=p.capture_lane or 0)
             args = place.flags(args)  # data parallel: its GPU, and its memory share when it shares that GPU
             cmd, env = sglang_launcher.build_command(
                 model_dir=ext.model_dir, capture_dir=ext.capture_dir, host="127.0.0.1", port=port,
@@ -114,7 +114,8 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
         limit = min(limit, pf.context_length - max(1, p.context_headroom))
     dirs = [*pf.capture_dirs, *([p.server_capture_dir] if p.server_capture_dir else [])]
     client = ClientConfig(concurrency=p.concurrency, timeout_s=p.request_timeout_s, max_attempts=p.max_attempts,
-                          backoff_s=p.backoff_s, backoff_max_s=max(p.backoff_s, 15.0))
+                          backoff_s=p.backoff_s, backoff_max_s=max(p.backoff_s, 15.0),
+                          lanes=((CAPTURE_LANE, p.capture_lane),) if p.capture_lane else ())
     ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit,
                      client_config=client, validate_config=ValidateConfig(
                          shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement),

@@ -3,7 +3,9 @@
 Owns how requests reach servers and which failures are retried:
 
 - :class:`EngineClient` runs jobs (one ``POST /generate`` each) through ``concurrency`` workers per
-  server pulling from one queue, so a fast server takes more work and a dead one takes none.
+  server pulling from one queue, so a fast server takes more work and a dead one takes none. A job may
+  name a lane (``ClientConfig.lanes``): its own queue and workers, so slow jobs of one kind (captures
+  waiting for their shard) never take the slots of another (the generations that fill the decode batch).
 - Retryable (re-queued with exponential backoff + jitter, possibly to another server, up to
   ``max_attempts``): connection errors/resets, timeouts, 5xx except 507, 408, 429. Terminal (reported
   per job, never retried): other 4xx (400 bad request, 409 a rid whose shard on the server holds other
@@ -37,6 +39,8 @@ from eaglenest.data.samples import Sample
 from eaglenest.extraction.aio import run_sync
 
 Kind = Literal["retryable", "terminal"]
+CAPTURE_LANE = "capture"
+"""The lane of capture requests while the target regenerates (their own workers beside the generations')."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,13 +57,15 @@ class ClientConfig:
     down_after: int = 3
     """Consecutive connection failures (when ``/health`` then fails too), or max(down_after, concurrency)
     consecutive timeouts, after which a server takes no more work in this call."""
+    lanes: tuple[tuple[str, int], ...] = ()
+    """Named lanes and their requests in flight per server, beside the default lane's ``concurrency``."""
     keepalive_expiry_s: float = 2.0
     """Idle connections are dropped after this, below the server's keep-alive timeout (SGLang's uvicorn: 5 s),
     so a request is not sent on a connection the server is closing (it fails without an answer)."""
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1:
-            raise ValueError("concurrency, max_attempts and down_after must be >= 1")
+        if self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or any(n < 1 for _, n in self.lanes):
+            raise ValueError("concurrency, lane sizes, max_attempts and down_after must be >= 1")
 
 
 Check = Callable[["Job", dict[str, Any]], str | None]
@@ -77,6 +83,8 @@ class Job:
     goes ahead of new conversations, so finished samples flow on while the engine's batch stays full."""
     check: Check | None = None
     """Contract check of this job's answer (overrides the call's ``check``)."""
+    lane: str | None = None
+    """A lane of ``ClientConfig.lanes`` (None: the default lane)."""
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -160,9 +168,11 @@ class EngineClient:
                   on_outcome: OnOutcome | None = None) -> list[Answer | Failure]:
         cfg = self.config
         timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-        limits = httpx.Limits(max_connections=cfg.concurrency * len(self._servers) + 4,
+        lanes: dict[str | None, int] = {None: cfg.concurrency, **dict(cfg.lanes)}
+        limits = httpx.Limits(max_connections=sum(lanes.values()) * len(self._servers) + 4,
                               keepalive_expiry=cfg.keepalive_expiry_s)
-        self._queue: asyncio.PriorityQueue[tuple[int, int, Job | None]] = asyncio.PriorityQueue()
+        self._queues: dict[str | None, asyncio.PriorityQueue[tuple[int, int, Job | None]]] = {
+            lane: asyncio.PriorityQueue() for lane in lanes}
         self._seq = 0
         self._open = 0
         self._idle = asyncio.Event()
@@ -177,8 +187,8 @@ class EngineClient:
         if self._open == 0:
             return []
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport) as client:
-            workers = [asyncio.create_task(self._worker(client, s)) for s in self._servers
-                       for _ in range(cfg.concurrency)]
+            workers = [asyncio.create_task(self._worker(client, s, lane)) for s in self._servers
+                       for lane, n in lanes.items() for _ in range(n)]
             finished = False
             try:
                 await self._idle.wait()
@@ -188,8 +198,9 @@ class EngineClient:
                 # finished call lets the workers take their end marker, which queues behind any work left
                 for task in [*self._backoffs, *(w for w in workers if not finished)]:
                     task.cancel()
-                for _ in workers:
-                    self._put(None)
+                for lane, n in lanes.items():
+                    for _ in range(n * len(self._servers)):
+                        self._put(None, lane)
                 await asyncio.gather(*workers, *self._backoffs, return_exceptions=True)
         if self._crash is not None:
             raise self._crash
@@ -197,12 +208,16 @@ class EngineClient:
 
     # ---------------------------------------------------------------- bookkeeping
     def _add(self, job: Job) -> None:
+        if job.lane not in self._queues:
+            raise ValueError(f"job {job.key!r} asks for lane {job.lane!r}; this client has "
+                             f"{sorted(k for k in self._queues if k)} (ClientConfig.lanes) and the default")
         self._open += 1
         self._enqueue(job)
 
-    def _put(self, job: Job | None) -> None:
+    def _put(self, job: Job | None, lane: str | None = None) -> None:
         self._seq += 1  # FIFO within a priority
-        self._queue.put_nowait((1 << 30 if job is None else job.priority, self._seq, job))
+        queue = self._queues[lane if job is None else job.lane]
+        queue.put_nowait((1 << 30 if job is None else job.priority, self._seq, job))
 
     def _enqueue(self, job: Job) -> None:
         if all(s.down for s in self._servers):
@@ -232,10 +247,11 @@ class EngineClient:
         self.stats.servers_down.append(server.url)
         self.stats.down_reasons.append(f"{server.url}: " + "; ".join(errors[-2:]))
         if all(s.down for s in self._servers):
-            while not self._queue.empty():
-                *_, job = self._queue.get_nowait()
-                if job is not None:
-                    self._enqueue(job)
+            for queue in self._queues.values():
+                while not queue.empty():
+                    *_, job = queue.get_nowait()
+                    if job is not None:
+                        self._enqueue(job)
 
     async def _later(self, job: Job, delay: float) -> None:
         try:
@@ -249,9 +265,9 @@ class EngineClient:
             self._idle.set()
 
     # ---------------------------------------------------------------- requests
-    async def _worker(self, client: httpx.AsyncClient, server: _Server) -> None:
+    async def _worker(self, client: httpx.AsyncClient, server: _Server, lane: str | None) -> None:
         try:
-            await self._work(client, server)
+            await self._work(client, server, lane)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a failing callback (or an interrupt) must end the call, not hang it
@@ -259,9 +275,10 @@ class EngineClient:
                 self._crash = e
             self._idle.set()
 
-    async def _work(self, client: httpx.AsyncClient, server: _Server) -> None:
+    async def _work(self, client: httpx.AsyncClient, server: _Server, lane: str | None) -> None:
+        queue = self._queues[lane]
         while True:
-            *_, job = await self._queue.get()
+            *_, job = await queue.get()
             if job is None:
                 return
             if server.down:  # hand the job to a live server and stop taking work

@@ -8,7 +8,7 @@ import pytest
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.extraction.prefill import ClientConfig, prefill, prefill_async
+from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job, prefill, prefill_async
 
 A, B = "http://a", "http://b"
 
@@ -231,3 +231,37 @@ def test_follow_up_jobs_go_ahead_of_queued_new_work():
     jobs = [Job(f"n{i}", {"rid": f"n{i}", "input_ids": [1]}) for i in range(3)]
     asyncio.run(client.run(jobs, on_outcome=follow))
     assert [rid for _, rid in rec.calls] == ["n0", "n0-next", "n1", "n1-next", "n2", "n2-next"]
+
+
+def test_a_lane_keeps_its_slots_when_another_lanes_jobs_hang():
+    """Captures waiting for their shards (here: until every generation is answered) must not take the slots of
+    the generations. In one lane, captures sent first fill every slot and nothing moves; in their own lane the
+    generations go on and the captures finish after them."""
+    async def main(lanes):
+        gens_done = asyncio.Event()
+        answered = []
+
+        async def handler(request):
+            rid = json.loads(request.content)["rid"]
+            if rid.startswith("cap"):
+                await gens_done.wait()
+            answered.append(rid)
+            if sum(r.startswith("gen") for r in answered) == 6:
+                gens_done.set()
+            return httpx.Response(200, json={"text": "", "meta_info": {"id": rid}})
+
+        lane = "capture" if lanes else None
+        jobs = [Job(f"cap{i}", {"rid": f"cap{i}"}, priority=0, lane=lane) for i in range(4)]
+        jobs += [Job(f"gen{i}", {"rid": f"gen{i}"}, priority=1) for i in range(6)]
+        client = EngineClient([A], config=ClientConfig(concurrency=2, lanes=(("capture", 2),) if lanes else ()),
+                              transport=httpx.MockTransport(handler), sleep=no_sleep)
+        await asyncio.wait_for(client.run(jobs), timeout=2)
+        return answered
+
+    answered = asyncio.run(main(lanes=True))
+    assert [r[:3] for r in answered] == ["gen"] * 6 + ["cap"] * 4
+    with pytest.raises(TimeoutError):  # one lane: the hanging captures hold both slots
+        asyncio.run(main(lanes=False))
+    with pytest.raises(ValueError, match="asks for lane 'other'"):
+        asyncio.run(EngineClient([A], transport=httpx.MockTransport(lambda r: httpx.Response(200))).run(
+            [Job("x", {"rid": "x"}, lane="other")]))
