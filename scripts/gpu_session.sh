@@ -16,7 +16,8 @@
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
-# (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts.
+# (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
+# data step the target's answers (regen-logs.tar.xz.part*: put them in .gpu/ and the next data step reuses them).
 # Knobs (environment): LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + SGLang stack samples during the extraction, profile.json), FP8 (0; 1: also an fp8 store), EPOCHS (8), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -50,6 +51,11 @@ setup)
   ;;
 data)
   cp .device/gguf2/smol.part01 /tmp/smol/ && rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
+  # the target's answers of earlier sessions (.gpu/regen-logs.tar.xz.part*, from this step's $OUT): those samples
+  # need only their capture, so a session's regeneration goes to prompts not answered yet
+  if ls .gpu/regen-logs.tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
+    mkdir -p /tmp/ext/regen && cat .gpu/regen-logs.tar.xz.part* | tar -C /tmp/ext/regen -xJf - && ls -la /tmp/ext/regen
+  fi
   [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
   # the extraction gets EXTRACT_S seconds (SIGTERM: it stops its servers; what is validated stays) so the stores
   # and the calibration capture still fit in the call; `data` again resumes it (the stores are then rebuilt,
@@ -78,6 +84,9 @@ data)
     fi
   fi
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
+  # the answers come back (small next to the shards) so that the next session captures them without regenerating
+  (cd /tmp/ext/regen && tar -cf - extraction.json answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
+    | split -b 15M - "$OUT/regen-logs.tar.xz.part" || true
   [ "${PROFILE:-0}" != 1 ] || python3 -c "
 import json, sys
 from collections import Counter

@@ -12,10 +12,9 @@ Owns how requests reach servers and which failures are retried:
   tokens, 413 context, 422 capture invalid), 507 (disk full: the server is also taken out of the call,
   no retry storm), and contract violations in an answer (wrong shard name or token count, prefix-cache
   reuse).
-- A server with ``down_after`` consecutive connection failures whose ``/health`` does not answer either (or a
-  full window of timeouts) is taken
-  out of this call; when none is left, the rest fails fast as retryable ``server_unavailable`` (the
-  caller relaunches).
+- A server with ``down_after`` consecutive connection failures whose ``/health`` does not answer either
+  (or a full window of timeouts) is taken out of this call; when none is left, the rest fails fast as
+  retryable ``server_unavailable`` (the caller relaunches).
 - :func:`prefill` sends ``{input_ids, rid=sample_id, sampling_params.max_new_tokens=0}`` per sample. The
   answer need not carry ``meta_info.capture`` (SGLang's does not); when it does, it is checked.
 
