@@ -17,8 +17,11 @@
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
-# data step the target's answers (regen-logs.tar.xz.part*: put them in .gpu/ and the next data step reuses them).
-# Knobs (environment): LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + SGLang stack samples during the extraction, profile.json), FP8 (0; 1: also an fp8 store), EPOCHS (8), TRAIN_MINUTES (8.5,
+# data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu/ and the next data step with the same
+# SOURCE, MAX_TURNS and LIMIT reuses them).
+# Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
+# `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
+# conversations, 10.5 MB: carry it instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + SGLang stack samples during the extraction, profile.json), FP8 (0; 1: also an fp8 store), EPOCHS (8), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -51,10 +54,11 @@ setup)
   ;;
 data)
   cp .device/gguf2/smol.part01 /tmp/smol/ && rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
-  # the target's answers of earlier sessions (.gpu/regen-logs.tar.xz.part*, from this step's $OUT): those samples
-  # need only their capture, so a session's regeneration goes to prompts not answered yet
-  if ls .gpu/regen-logs.tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
-    mkdir -p /tmp/ext/regen && cat .gpu/regen-logs.tar.xz.part* | tar -C /tmp/ext/regen -xJf - && ls -la /tmp/ext/regen
+  # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
+  # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
+  tag="$(basename "${SOURCE:-train-1t.jsonl.xz}" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
+  if ls .gpu/regen-logs-"$tag".tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
+    mkdir -p /tmp/ext/regen && cat .gpu/regen-logs-"$tag".tar.xz.part* | tar -C /tmp/ext/regen -xJf - && ls -la /tmp/ext/regen
   fi
   [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
   # the extraction gets EXTRACT_S seconds (SIGTERM: it stops its servers; what is validated stays) so the stores
@@ -67,8 +71,8 @@ data)
       nvidia-smi dmon -s um -d 1 > "$R/dmon.txt" 2>&1 &
       dmon=$!
     fi
-    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source /tmp/gpu/train-1t.jsonl.xz \
-      --limit "${LIMIT:-10000}" --max-turns 1 --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
+    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/${SOURCE:-train-1t.jsonl.xz}" \
+      --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
       --sglang-arg=8192 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; [ -z "$dmon" ] || kill "$dmon"; return $rc; }
@@ -85,8 +89,8 @@ data)
   fi
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
   # the answers come back (small next to the shards) so that the next session captures them without regenerating
-  (cd /tmp/ext/regen && tar -cf - extraction.json answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
-    | split -b 15M - "$OUT/regen-logs.tar.xz.part" || true
+  (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
+    | split -b 15M - "$OUT/regen-logs-$tag.tar.xz.part" || true
   [ "${PROFILE:-0}" != 1 ] || python3 -c "
 import json, sys
 from collections import Counter
