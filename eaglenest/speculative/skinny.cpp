@@ -3,7 +3,8 @@
 // - skinny_linear: y[M, N] = x[M, K] @ w[N, K]^T. Reads w once in its own row-major layout (no
 //   prepacked copy), one weight row after another, with every row of x in L1: a k-row verify streams
 //   the weights like a 1-row GEMV.
-// - decode_attention: grouped-query attention of S new rows over one layer's preallocated keys/values.
+// - decode_attention: grouped-query attention of S new rows over one layer's preallocated keys/values,
+//   each head's keys and values read once for all its rows.
 //
 // Each output row is computed by the same instruction sequence whatever the other rows are (fixed
 // k order and reduction trees, fp32 accumulation, one round to bf16; masked keys skipped, never
@@ -130,25 +131,8 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_maskz_mul_ps(~dead, p, _mm512_castsi512_ps(e));
 }
 
-// One query row q [hd] (fp32) of one head over keys/values [T, hd] (bf16, row stride ld), the keys
-// with see(t) false skipped; writes the bf16 output [hd]. Every visible key is visited in the same
-// order and the same lanes whatever T and the mask are, so a row's result does not depend on the
-// other rows of the forward or on masked keys.
-template <typename See>
-void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T, int64_t hd,
-                float scale, See see, float* scores, c10::BFloat16* out) {
-  const int64_t chunks = hd / 16;
-  __m512 qv[8];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < T; ++t) {
-    if (!see(t)) { scores[t] = -INFINITY; continue; }
-    __m512 acc = _mm512_mul_ps(qv[0], load16(k + t * ld));
-    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + t * ld + 16 * c), acc);
-    const float sc = _mm512_reduce_add_ps(acc) * scale;
-    scores[t] = sc;
-    mx = std::max(mx, sc);
-  }
+// The softmax of one row's scores [T] in place (max subtracted, exponentiated); returns 1 / their sum.
+inline float softmax_row(float* scores, int64_t T, float mx) {
   __m512 sum = _mm512_setzero_ps();
   const __m512 m = _mm512_set1_ps(mx);
   int64_t t = 0;
@@ -163,19 +147,78 @@ void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int64_t ld
     _mm512_mask_storeu_ps(scores + t, tail, p);
     sum = _mm512_add_ps(sum, p);
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-  __m512 o[8];
-  for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_setzero_ps();
-  for (int64_t u = 0; u < T; ++u) {
-    if (scores[u] == 0.0f) continue;  // masked (or vanishing) keys add nothing
-    const __m512 p = _mm512_set1_ps(scores[u]);
-    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(p, load16(v + u * ld + 16 * c), o[c]);
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// R query rows q[r] [16 * CH] (fp32) of one head over keys/values [T, 16 * CH] (bf16, row stride ld); every
+// row sees the first `full` keys, and beyond them row r skips the keys with see(r, t) false; writes the bf16
+// outputs out[r]. Each key and value is loaded once for all R rows (a verify's extra rows then cost little
+// memory traffic), and each row's arithmetic is the same instruction sequence as when it is alone: every
+// visible key in the same order and lanes whatever T, R and the mask are, so a row's result does not
+// depend on the other rows of the forward.
+template <int R, int CH, typename See>
+void attend_rows(const float* const* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T,
+                 int64_t full, float scale, See see, float* const* scores, c10::BFloat16* const* out) {
+  __m512 qv[R][CH];
+  float mx[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = -INFINITY;
+    for (int c = 0; c < CH; ++c) qv[r][c] = _mm512_loadu_ps(q[r] + 16 * c);
   }
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c), (__m256i)h);
+  auto score = [&](int r, int64_t t, const __m512* kc) {
+    __m512 acc = _mm512_mul_ps(qv[r][0], kc[0]);
+    for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qv[r][c], kc[c], acc);
+    const float sc = _mm512_reduce_add_ps(acc) * scale;
+    scores[r][t] = sc;
+    mx[r] = std::max(mx[r], sc);
+  };
+  int64_t t = 0;
+  for (; t < full; ++t) {  // seen by every row
+    __m512 kc[CH];
+    for (int c = 0; c < CH; ++c) kc[c] = load16(k + t * ld + 16 * c);
+    for (int r = 0; r < R; ++r) score(r, t, kc);
+  }
+  for (; t < T; ++t) {
+    __m512 kc[CH];
+    for (int c = 0; c < CH; ++c) kc[c] = load16(k + t * ld + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      if (see(r, t)) score(r, t, kc);
+      else scores[r][t] = -INFINITY;
+    }
+  }
+  float inv[R];
+  for (int r = 0; r < R; ++r) inv[r] = softmax_row(scores[r], T, mx[r]);
+  __m512 o[R][CH];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < T; ++u) {
+    __m512 vc[CH];
+    for (int c = 0; c < CH; ++c) vc[c] = load16(v + u * ld + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      if (scores[r][u] == 0.0f) continue;  // masked (or vanishing) keys add nothing
+      const __m512 p = _mm512_set1_ps(scores[r][u]);
+      for (int c = 0; c < CH; ++c) o[r][c] = _mm512_fmadd_ps(p, vc[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(o[r][c], _mm512_set1_ps(inv[r])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c), (__m256i)h);
+    }
+}
+
+template <int CH, typename See>
+void attend_n(int n, const float* const* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T,
+              int64_t full, float scale, See see, float* const* sc, c10::BFloat16* const* o) {
+  switch (n) {
+    case 1: attend_rows<1, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
+    case 2: attend_rows<2, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
+    case 3: attend_rows<3, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
+    default: attend_rows<4, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
   }
 }
+
+constexpr int AR = 4;  // query rows per attend_rows call
 
 }  // namespace
 
@@ -205,20 +248,46 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   const float scale = 1.0f / std::sqrt((float)hd);
   const int64_t group = H / Hkv, past = T - S;
-  at::parallel_for(0, S * H, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(T + 16);
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t s = i / H, h = i % H;
-      const float* qrow = qf.data_ptr<float>() + s * qf.stride(0) + h * qf.stride(1);
+  at::parallel_for(0, H, 1, [&](int64_t b, int64_t e) {  // one head's rows per task: its keys read once
+    std::vector<float> buf(AR * (T + 16));
+    for (int64_t h = b; h < e; ++h) {
       const uint16_t* kh = kp + (h / group) * k.stride(0);
       const uint16_t* vh = vp + (h / group) * k.stride(0);
-      auto* o = out.data_ptr<at::BFloat16>() + s * H * hd + h * hd;
-      if (mp) {
-        const uint8_t* row = mp + s * T;
-        attend_row(qrow, kh, vh, hd, T, hd, scale, [row](int64_t t) { return row[t] != 0; }, scores.data(), o);
-      } else {
-        const int64_t last = past + s;
-        attend_row(qrow, kh, vh, hd, T, hd, scale, [last](int64_t t) { return t <= last; }, scores.data(), o);
+      for (int64_t s0 = 0; s0 < S; s0 += AR) {
+        const int n = (int)std::min<int64_t>(AR, S - s0);
+        const float* qr[AR];
+        float* sc[AR];
+        c10::BFloat16* orow[AR];
+        for (int r = 0; r < n; ++r) {
+          qr[r] = qf.data_ptr<float>() + (s0 + r) * qf.stride(0) + h * qf.stride(1);
+          sc[r] = buf.data() + r * (T + 16);
+          orow[r] = out.data_ptr<at::BFloat16>() + (s0 + r) * H * hd + h * hd;
+        }
+        auto run = [&](int64_t full, auto see) {
+          switch (hd / 16) {
+            case 1: attend_n<1>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 2: attend_n<2>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 3: attend_n<3>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 4: attend_n<4>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 5: attend_n<5>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 6: attend_n<6>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 7: attend_n<7>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            default: attend_n<8>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+          }
+        };
+        if (mp) {
+          const uint8_t* rows = mp + s0 * T;
+          int64_t full = T;  // the keys every row of the block sees (the cache, for a tree's rows)
+          for (int r = 0; r < n; ++r) {
+            int64_t f = 0;
+            while (f < full && rows[r * T + f]) ++f;
+            full = f;
+          }
+          run(full, [rows, T](int r, int64_t t) { return rows[r * T + t] != 0; });
+        } else {
+          const int64_t last = past + s0;  // row r sees keys 0 .. last + r
+          run(last + 1, [last](int r, int64_t t) { return t <= last + r; });
+        }
       }
     }
   });

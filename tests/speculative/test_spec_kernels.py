@@ -88,6 +88,20 @@ def test_decode_attention_is_sdpa_and_rows_do_not_interact(skinny, rows, t):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("hd", [16, 48, 128])
+def test_decode_attention_at_other_head_sizes(skinny, hd):
+    """Each head size has its own compiled loop: it equals SDPA and a row equals its 1-row step there too."""
+    attend, rows, t = kernels.decode_attention(), 6, 90
+    g = torch.Generator().manual_seed(hd)
+    k, v = (torch.randn(2, 128, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(rows, 4, hd, generator=g).to(torch.bfloat16)
+    out = attend(q, k, v, t, None)
+    causal = torch.ones(rows, t, dtype=torch.bool).tril(t - rows)
+    torch.testing.assert_close(out.float(), _attention_reference(q, k, v, t, causal), rtol=2e-2, atol=2e-2)
+    for i in range(rows):
+        assert torch.equal(attend(q[i: i + 1], k, v, t - rows + i + 1, None)[0], out[i])
+
+
 def test_bf16_speculation_is_lossless_on_the_kernels(skinny, tiny_model_dir, spec_tiny):
     """With every row computed as it would be alone, bf16 verifies reproduce bf16 decode steps exactly."""
     from spec_support import random_prompts
