@@ -1,0 +1,34 @@
+"""scripts/pack_code_prompts.py: deterministic user-only coding prompts, appended after an existing pack."""
+
+import json
+import lzma
+import runpy
+import sys
+from pathlib import Path
+
+from eaglenest.data import read_records
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pack_code_prompts.py"
+
+
+def run_script(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["pack_code_prompts.py", *args])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+def test_code_prompts_are_fixed_user_only_records_after_the_pack(monkeypatch, tmp_path, capsys):
+    before = tmp_path / "mt.jsonl.xz"
+    before.write_bytes(lzma.compress(b'{"id": "c1", "messages": [{"role": "user", "content": "hi"}, '
+                                     b'{"role": "assistant", "content": "hello"}]}'))  # no final newline
+    out1, out2 = tmp_path / "a.jsonl.xz", tmp_path / "b.jsonl.xz"
+    run_script(monkeypatch, "--out", str(out1), "--count", "60", "--append-to", str(before))
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["prompts"] == 60 and summary["records_before"] == 1
+    run_script(monkeypatch, "--out", str(out2), "--count", "60", "--append-to", str(before))
+    assert lzma.decompress(out1.read_bytes()) == lzma.decompress(out2.read_bytes())  # the same file again
+    src = read_records(str(out1))
+    assert not src.bad and src.records[0].id == "c1" and len(src.records) == 61
+    code = src.records[1:]
+    assert len({r.id for r in code}) == 60 and all(r.id.startswith("pycode-") for r in code)
+    assert all([m.role for m in r.messages] == ["user"] for r in code)
+    assert all("`" in r.messages[0].content and len(r.messages[0].content) > 60 for r in code)
