@@ -231,18 +231,25 @@ def _nothing_usable(source: str, records: int, skipped: Sequence[Skipped], bad: 
 # ------------------------------------------------------------------------------ persisted answers
 class JsonlLog:
     """An append-only JSON-lines file. Each write reaches the OS at once (a killed process loses nothing it
-    wrote); it is fsynced at most every ``fsync_s`` and on close (a machine crash loses at most that)."""
+    wrote); a thread of its own fsyncs it every ``fsync_s`` while there is something new, and close() does
+    once more (a machine crash loses at most about that much).
+
+    The fsync never runs on the writer's thread: the writer is the extraction's event loop, and an fsync
+    under heavy shard writes can take seconds, during which no request would be sent or answered."""
 
     def __init__(self, path: Path, *, fsync_s: float = 0.5) -> None:
         self.path, self.fsync_s = path, fsync_s
         self._lock = threading.Lock()
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._synced = time.monotonic()
         if self._f.tell() > 0:
             with open(path, "rb") as r:
                 r.seek(-1, os.SEEK_END)
                 if r.read(1) != b"\n":  # a torn last line from a crash: start on a fresh one
                     self._f.write("\n")
+        self._dirty = threading.Event()
+        self._closing = threading.Event()
+        self._syncer = threading.Thread(target=self._sync_loop, name=f"fsync-{path.name}", daemon=True)
+        self._syncer.start()
 
     def write(self, rows: Iterable[dict]) -> None:
         text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
@@ -251,11 +258,22 @@ class JsonlLog:
         with self._lock:
             self._f.write(text)
             self._f.flush()
-            if time.monotonic() - self._synced >= self.fsync_s:
+        self._dirty.set()
+
+    def _sync_loop(self) -> None:
+        while not self._closing.is_set():
+            self._dirty.wait()
+            if self._closing.is_set():
+                return
+            self._dirty.clear()
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: close() syncs
                 os.fsync(self._f.fileno())
-                self._synced = time.monotonic()
+            self._closing.wait(self.fsync_s)
 
     def close(self) -> None:
+        self._closing.set()
+        self._dirty.set()
+        self._syncer.join()
         with self._lock:
             if not self._f.closed:
                 self._f.flush()
