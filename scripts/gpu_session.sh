@@ -22,7 +22,9 @@
 # Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
 # `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
 # conversations, 10.5 MB; train-mtc.jsonl.xz adds `scripts/pack_code_prompts.py`'s 2,777 coding prompts, 10.6 MB:
-# carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + SGLang stack samples during the extraction, profile.json), FP8 (0; 1: also an fp8 store), EPOCHS (auto: whole epochs that
+# carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
+# processes and of the extraction's request loop and validation during the extraction: profile.json, and each
+# second's top functions in prof/*.timeline.jsonl), FP8 (0; 1: also an fp8 store), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -70,7 +72,7 @@ data)
     local prof=() dmon=
     if [ "${PROFILE:-0}" = 1 ]; then  # where the time goes: GPU use each second, SGLang's scheduler/HTTP stacks
       prof=(env EAGLENEST_SAMPLE_PROFILE="$R/prof")
-      nvidia-smi dmon -s um -d 1 > "$R/dmon.txt" 2>&1 &
+      nvidia-smi dmon -s um -d 1 -o T > "$R/dmon.txt" 2>&1 &  # -o T: each second's time, for the timelines
       dmon=$!
     fi
     run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/${SOURCE:-train-1t.jsonl.xz}" \
@@ -98,7 +100,8 @@ import json, sys
 from collections import Counter
 from eaglenest.testing import sglang_profiler as p
 empty = {'inclusive': Counter(), 'self': Counter(), 'samples': Counter()}
-json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http')}, sys.stdout, indent=1)
+json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http', 'client', 'validate')},
+          sys.stdout, indent=1)
 " > "$R/profile.json" || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   run python3 -c "

@@ -30,6 +30,7 @@ nothing here imports Prefect.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any
 import httpx
 
 from eaglenest.data.samples import Sample
+from eaglenest.engines import ENV_PROFILE_DIR
 from eaglenest.engines.pool import ServerPool
 from eaglenest.extraction.connect import RunContext, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
@@ -91,6 +93,11 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
                    transport: httpx.AsyncBaseTransport | None = None, step: Step = direct) -> dict:
     """Extract end to end; returns the report (also in report.json). ``step`` wraps each step's call."""
     t0 = time.perf_counter()
+    if os.environ.get(ENV_PROFILE_DIR):  # GPU diagnostics: the request loop and validation, beside SGLang's
+        from eaglenest.testing import sglang_profiler
+
+        sglang_profiler.maybe_start("client", thread_name="eaglenest-client")
+        sglang_profiler.maybe_start("validate", thread_name="extract-validate")
     ext = step(open_extraction, params)
     with ext.lock():
         prepared: Prepared = step(prepare, ext)

@@ -2,11 +2,14 @@
 
 Enabled only by ``EAGLENEST_SAMPLE_PROFILE=<dir>`` (GPU diagnostics, never in production); works with or
 without capture, so a baseline server can be profiled the same way (the plugin must be discoverable
-there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process (role ``sched``) and
-in the HTTP process (role ``http``: tokenizer manager, receipt waits) looks at the main thread's stack
+there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process (role ``sched``), in
+the HTTP process (role ``http``: tokenizer manager, receipt waits) and in the extraction (role ``client``: its
+request loop, ``extract`` roles ``validate`` too) looks at the main (or named) thread's stack
 every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per function, the samples in which
-it was on the stack (inclusive) and innermost (self). Every second it writes ``<dir>/<role>-<pid>.json``;
-:func:`snapshot` sums a role's files and :func:`summarize` turns two snapshots into the top rows.
+it was on the stack (inclusive) and innermost (self). Every second it writes ``<dir>/<role>-<pid>.json``
+and appends that second's top innermost functions to ``<dir>/<role>-<pid>.timeline.jsonl`` (to line up with
+``nvidia-smi dmon``); :func:`snapshot` sums a role's files and :func:`summarize` turns two snapshots into the
+top rows.
 """
 
 from __future__ import annotations
@@ -36,14 +39,20 @@ def _label(code) -> str:
 
 class StackSampler:
     def __init__(self, out_dir: str | Path, interval_s: float = 0.005, flush_s: float = 1.0,
-                 role: str = "sched") -> None:
+                 role: str = "sched", thread_name: str | None = None) -> None:
         self.out = Path(out_dir) / f"{role}-{os.getpid()}.json"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s, self.flush_s = interval_s, flush_s
         self.target = threading.main_thread().ident
+        self.thread_name = thread_name
+        """Sample the (current) thread of this name instead of the main thread (the extraction's client loop
+        runs on a thread of its own, one per round)."""
         self.inclusive: Counter[str] = Counter()
         self.own: Counter[str] = Counter()
         self.samples = 0
+        self.timeline = self.out.with_suffix(".timeline.jsonl")
+        self._last_own: Counter[str] = Counter()
+        self._last_samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eaglenest-sampler", daemon=True)
 
@@ -52,7 +61,10 @@ class StackSampler:
         return self
 
     def sample(self) -> None:
-        frame = sys._current_frames().get(self.target)
+        target = self.target
+        if self.thread_name is not None:
+            target = next((t.ident for t in threading.enumerate() if t.name == self.thread_name), None)
+        frame = sys._current_frames().get(target)
         if frame is None:
             return
         self.samples += 1
@@ -84,18 +96,26 @@ class StackSampler:
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.out)
+        # the timeline: what ran since the last flush (to line up with nvidia-smi dmon's idle seconds)
+        delta = self.own - self._last_own
+        self._last_own = Counter(self.own)
+        line = {"t": round(time.time(), 2), "samples": self.samples - self._last_samples,
+                "self": delta.most_common(6)}
+        self._last_samples = self.samples
+        with open(self.timeline, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
 
 
-_sampler: StackSampler | None = None
+_samplers: dict[str, StackSampler] = {}
 
 
-def maybe_start(role: str = "sched") -> StackSampler | None:
-    """Start the sampler in this process when ``EAGLENEST_SAMPLE_PROFILE`` is set."""
-    global _sampler
+def maybe_start(role: str = "sched", *, thread_name: str | None = None) -> StackSampler | None:
+    """Start the sampler of ``role`` in this process when ``EAGLENEST_SAMPLE_PROFILE`` is set."""
     out = os.environ.get(ENV_SAMPLE_DIR)
-    if out and _sampler is None:
-        _sampler = StackSampler(out, float(os.environ.get(ENV_SAMPLE_INTERVAL, "0.005")), role=role).start()
-    return _sampler
+    if out and role not in _samplers:
+        _samplers[role] = StackSampler(out, float(os.environ.get(ENV_SAMPLE_INTERVAL, "0.005")), role=role,
+                                       thread_name=thread_name).start()
+    return _samplers.get(role)
 
 
 def snapshot(out_dir: str | Path, role: str = "sched") -> dict[str, Counter]:

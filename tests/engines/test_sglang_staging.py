@@ -70,6 +70,29 @@ def test_stack_sampler_attributes_time_to_the_functions_on_the_stack(tmp_path):
     assert 1.5 < long_share / short_share < 6  # 3:1 by time
 
 
+def test_sampler_follows_a_named_thread_and_writes_a_timeline(tmp_path):
+    """The extraction's request loop runs on a thread of its own (one per round): the sampler finds it by name,
+    and each flush appends what ran since the last one, to line up with the GPU's idle seconds."""
+    import json
+
+    def busy_named():
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            sum(range(200))
+
+    sampler = sglang_profiler.StackSampler(tmp_path, interval_s=0.002, flush_s=0.1, role="client",
+                                           thread_name="eaglenest-client").start()
+    worker = threading.Thread(target=busy_named, name="eaglenest-client")
+    worker.start()
+    worker.join()
+    sampler.stop()
+    lines = [json.loads(x) for x in sampler.timeline.read_text().splitlines()]
+    assert len(lines) >= 3 and all(set(x) == {"t", "samples", "self"} for x in lines)
+    assert sum(x["samples"] for x in lines) == sampler.samples > 0  # no thread of that name: no sample
+    assert any(name.endswith(":busy_named") for x in lines for name, _ in x["self"])
+    assert not sampler.timeline.name.endswith(".json")  # snapshot() globs <role>-*.json: not the timeline
+
+
 def test_shared_slot_grows_into_a_new_segment_and_drops_the_old_one():
     copier = plugin.DeviceCopier(1, shared=True)
     small = [torch.full((2, 4), float(k)) for k in range(3)]
