@@ -72,7 +72,7 @@ data)
     local prof=() dmon=
     if [ "${PROFILE:-0}" = 1 ]; then  # where the time goes: GPU use each second, SGLang's scheduler/HTTP stacks
       prof=(env EAGLENEST_SAMPLE_PROFILE="$R/prof")
-      nvidia-smi dmon -s um -d 1 -o T > "$R/dmon.txt" 2>&1 &  # -o T: each second's time, for the timelines
+      nvidia-smi dmon -s um -d 1 -o DT > "$R/dmon.txt" 2>&1 &  # -o DT: each second's date and time
       dmon=$!
     fi
     run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/${SOURCE:-train-1t.jsonl.xz}" \
@@ -103,6 +103,7 @@ empty = {'inclusive': Counter(), 'self': Counter(), 'samples': Counter()}
 json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http', 'client', 'validate')},
           sys.stdout, indent=1)
 " > "$R/profile.json" || true
+  [ "${PROFILE:-0}" != 1 ] || python3 scripts/profile_gaps.py --dmon "$R/dmon.txt" --prof "$R/prof" > "$R/gaps.json" || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   run python3 -c "
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
