@@ -235,7 +235,7 @@ class JsonlLog:
     once more (a machine crash loses at most about that much).
 
     The fsync never runs on the writer's thread: the writer is the extraction's event loop, and an fsync
-    under heavy shard writes can take seconds, during which no request would be sent or answered."""
+    may wait behind the shard writes on the same disk, during which no request would be sent or answered."""
 
     def __init__(self, path: Path, *, fsync_s: float = 0.5) -> None:
         self.path, self.fsync_s = path, fsync_s
