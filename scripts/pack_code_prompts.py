@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import importlib
 import inspect
-import io
 import json
 import lzma
 import pkgutil
@@ -29,7 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-from eaglenest.contract import atomic_write_bytes
+from eaglenest.data.sources import write_jsonl
 from eaglenest.speculative.prompts import PROMPT_SETS, user_texts
 
 TEMPLATES = (
@@ -123,18 +122,9 @@ def main() -> None:
     if a.append_to:
         raw = Path(a.append_to).read_bytes()
         head = lzma.decompress(raw) if a.append_to.endswith(".xz") else raw
-        if head and not head.endswith(b"\n"):
-            head += b"\n"
-    buf = io.BytesIO(head)
-    buf.seek(0, io.SEEK_END)
-    for r in records:
-        buf.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
-    data = buf.getvalue()
-    if a.out.endswith(".xz"):
-        data = lzma.compress(data, preset=9)
-    atomic_write_bytes(Path(a.out), data)
+    data = write_jsonl(a.out, records, after=head)
     print(json.dumps({"prompts": len(records), "modules": len(modules),
-                      "excluded_eval_prompts": excluded, "records_before": head.count(b"\n"),
+                      "excluded_eval_prompts": excluded, "records_before": len(head.splitlines()),
                       "python": sys.version.split()[0], "bytes": len(data),
                       "seconds": round(time.perf_counter() - t0, 1)}))
 

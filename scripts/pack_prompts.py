@@ -16,15 +16,12 @@ and counted, so training data never holds an evaluation prompt. Output records a
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import lzma
 import time
-from pathlib import Path
 
-from eaglenest.contract import atomic_write_bytes
 from eaglenest.data import ChatEncoder, read_records
 from eaglenest.data.chat import truncate_turns
+from eaglenest.data.sources import write_jsonl
 from eaglenest.models import resolve_model
 from eaglenest.speculative.prompts import PROMPT_SETS, user_texts
 
@@ -60,13 +57,7 @@ def main() -> None:
         tokens += len(ids)
         if len(kept) == a.count:
             break
-    buf = io.BytesIO()
-    for r in kept:
-        buf.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
-    data = buf.getvalue()
-    if a.out.endswith(".xz"):
-        data = lzma.compress(data, preset=9)
-    atomic_write_bytes(Path(a.out), data)
+    data = write_jsonl(a.out, kept)
     print(json.dumps({"kept": len(kept), "tokens": tokens, "mean_tokens": round(tokens / max(len(kept), 1), 1),
                       "too_long": too_long, "excluded_eval_prompts": excluded,
                       "excluded_sets": a.exclude_prompt_set, "bad_records": len(src.bad), "bytes": len(data),

