@@ -47,6 +47,26 @@ def first_paragraph(doc: str) -> str:
     return " ".join(text.split())
 
 
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def signature_text(fn) -> str:
+    """The signature with only literal defaults spelled out; others become ``...``. A default's repr may hold
+    this process's state (``cgi.test``'s is the whole ``os.environ``) or a memory address (``object()``
+    sentinels), which would leak into the prompts and change from run to run."""
+    sig = inspect.signature(fn)
+    params = []
+    for p in sig.parameters.values():
+        d = p.default
+        if d is not inspect.Parameter.empty and not (
+                d is None or isinstance(d, bool | int | float) or (isinstance(d, str | bytes) and len(d) <= 40)):
+            p = p.replace(default=_Elided())
+        params.append(p)
+    return str(sig.replace(parameters=params))
+
+
 def functions() -> list[tuple[str, str, str, str]]:
     """(module, name, signature, doc paragraph) of public stdlib functions with a docstring, sorted."""
     out: dict[str, tuple[str, str, str, str]] = {}
@@ -75,7 +95,7 @@ def functions() -> list[tuple[str, str, str, str]]:
                 if len(doc) < 40:
                     continue
                 try:
-                    sig = str(inspect.signature(obj))
+                    sig = signature_text(obj)
                 except (TypeError, ValueError):
                     continue
                 out.setdefault(f"{m.__name__}.{name}", (m.__name__, name, sig, doc))

@@ -32,3 +32,16 @@ def test_code_prompts_are_fixed_user_only_records_after_the_pack(monkeypatch, tm
     assert len({r.id for r in code}) == 60 and all(r.id.startswith("pycode-") for r in code)
     assert all([m.role for m in r.messages] == ["user"] for r in code)
     assert all("`" in r.messages[0].content and len(r.messages[0].content) > 60 for r in code)
+
+
+def test_signatures_hold_no_process_state(monkeypatch, tmp_path, capsys):
+    """Defaults whose repr is process state (cgi.test's os.environ, object() sentinels' addresses) are elided:
+    they would leak the environment into the prompts and change the file from run to run."""
+    import re
+
+    out = tmp_path / "all.jsonl"
+    run_script(monkeypatch, "--out", str(out), "--count", "100000")
+    text = out.read_text()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] > 2000
+    assert not re.search(r" at 0x[0-9a-f]+", text) and "environ({" not in text
+    assert "`cgi.test(environ=...)`" in text or "cgi.test" not in text
