@@ -32,6 +32,10 @@ UNWIND_S = 30.0
 thread is a daemon: it cannot keep the process alive)."""
 
 
+CLIENT_THREAD = "eaglenest-client"
+"""The name of the thread :func:`run_sync` runs its loop on (the PROFILE diagnostics sample it by name)."""
+
+
 def run_sync(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
     """Run ``coro_fn()`` to completion on a thread of its own and return its result (or raise its error).
 
@@ -56,7 +60,7 @@ def run_sync(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
     # waits on events, not Thread.join: a join interrupted by a signal handler's exception can mark the thread
     # stopped while it still runs (CPython 3.11), and a second join then returns at once
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(target,), name="eaglenest-client", daemon=True)
+    thread = threading.Thread(target=context.run, args=(target,), name=CLIENT_THREAD, daemon=True)
     try:
         thread.start()
         while not done.wait(POLL_S):

@@ -41,9 +41,10 @@ import httpx
 from eaglenest.data.samples import Sample
 from eaglenest.engines import ENV_PROFILE_DIR
 from eaglenest.engines.pool import ServerPool
+from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.connect import RunContext, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
-from eaglenest.extraction.stream import Phases, RoundResult, problem, stream, validate_step
+from eaglenest.extraction.stream import VALIDATE_THREAD, Phases, RoundResult, problem, stream, validate_step
 
 Step = Callable[..., Any]
 """``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""
@@ -96,8 +97,8 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
     if os.environ.get(ENV_PROFILE_DIR):  # GPU diagnostics: the request loop and validation, beside SGLang's
         from eaglenest.testing import sglang_profiler
 
-        sglang_profiler.maybe_start("client", thread_name="eaglenest-client")
-        sglang_profiler.maybe_start("validate", thread_name="extract-validate")
+        sglang_profiler.maybe_start("client", thread_name=CLIENT_THREAD)
+        sglang_profiler.maybe_start("validate", thread_name=VALIDATE_THREAD)
     ext = step(open_extraction, params)
     with ext.lock():
         prepared: Prepared = step(prepare, ext)

@@ -143,6 +143,10 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
     return step
 
 
+VALIDATE_THREAD = "extract-validate"
+"""The validation thread's name (the PROFILE diagnostics sample it by name)."""
+
+
 class Validator:
     """Validates answered samples in a thread, in chunks of up to ``chunk`` (whatever has arrived after
     ``linger_s``), so shard checks and ledger appends overlap the engine's work."""
@@ -155,7 +159,7 @@ class Validator:
         self._q: queue.Queue[Sample | None] = queue.Queue()
         self._error: BaseException | None = None
         self._abandon = False
-        self._thread = threading.Thread(target=self._loop, name="extract-validate", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=VALIDATE_THREAD, daemon=True)
         self._thread.start()
 
     def put(self, sample: Sample) -> None:
