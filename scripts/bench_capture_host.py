@@ -12,7 +12,7 @@ regenerate recipe's mean on ShareGPT first turns). Pieces, each over the same sa
 - validate: :func:`~eaglenest.extraction.validate.validate_batch` without the argmax check (read, decode, ids,
   finite, norms, sha256; its thread pool), plus one-thread timings of each check;
 - argmax: the regenerated-sample LM-head argmax check on THIS machine's CPU (on a GPU host it runs on the GPU);
-- client: :class:`~eaglenest.extraction.prefill.EngineClient` over an in-process mock transport answering at
+- client: :class:`~eaglenest.extraction.client.EngineClient` over an in-process mock transport answering at
   once (request JSON, answer parsing, the priority queue): the client's own cost per capture request.
 Numbers on a shared 2-core machine are noisy: take the best of ``--repeats``.
 """
@@ -35,7 +35,8 @@ from eaglenest.data.samples import Sample
 from eaglenest.engines.sglang_capture import CaptureWriter, HostBatch, ReqView, Segment
 from eaglenest.extraction import validate as v
 from eaglenest.extraction.aio import run_sync
-from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job, capture_request, check_capture_answer
+from eaglenest.extraction.client import ClientConfig, EngineClient, Job
+from eaglenest.extraction.prefill import capture_request, check_capture_answer
 from eaglenest.testing.fake_store import fake_provenance, fake_shard
 
 

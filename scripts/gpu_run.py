@@ -132,7 +132,8 @@ def _params(a, url: str):
 
 def _prefill_rate(samples, url: str, prefix: str, concurrency: int) -> dict:
     """Prefill-only throughput of one server through the extraction's own client (after a warm-up pass)."""
-    from eaglenest.extraction.prefill import ClientConfig, prefill
+    from eaglenest.extraction.client import ClientConfig
+    from eaglenest.extraction.prefill import prefill
 
     config = ClientConfig(concurrency=concurrency, timeout_s=900)
     prefill([dataclasses.replace(s, sample_id=f"{prefix}warm-{s.sample_id}") for s in samples[:256]], [url],

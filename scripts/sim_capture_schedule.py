@@ -3,7 +3,7 @@
     python scripts/sim_capture_schedule.py [--samples 10000] [--servers 2] [--concurrency 1024]
         [--gen-tok-s 18300] [--capture-tok-s 35000] [--tokens 574] [--scale 5]
 
-:class:`~eaglenest.extraction.prefill.EngineClient` runs ``--samples`` generation requests over ``--servers`` x
+:class:`~eaglenest.extraction.client.EngineClient` runs ``--samples`` generation requests over ``--servers`` x
 ``--concurrency`` workers against an in-process mock (``httpx.MockTransport``): a generation answers after its
 answer length / per-request decode rate (``--gen-tok-s`` shared by every request in flight; 58.66% of answers
 cut at 512 tokens, the rest 30-500, as in the H200's 10K ShareGPT regeneration); each finished sample queues
@@ -26,7 +26,8 @@ import time
 
 import httpx
 
-from eaglenest.extraction.prefill import CAPTURE_LANE, Answer, ClientConfig, EngineClient, Failure, Job
+from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Failure, Job
+from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.stream import CAPTURE, NEW_CONVERSATION
 
 

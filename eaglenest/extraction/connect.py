@@ -17,7 +17,8 @@ from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder
 from eaglenest.engines.pool import LaunchSpec, ServerPool
 from eaglenest.engines.preflight import PreflightError, preflight
-from eaglenest.extraction.prefill import CAPTURE_LANE, ClientConfig
+from eaglenest.extraction.client import ClientConfig
+from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
 from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head

@@ -9,7 +9,7 @@ decoded text would change them), and the loss spans cover those answer ids plus 
 end-of-turn token (so the drafter learns to stop), never the prompt or the template's other text.
 
 :class:`Regenerator` is driven by the extraction's one loop: :meth:`Regenerator.start` and
-:meth:`Regenerator.answered` return the next request (a :class:`~eaglenest.extraction.prefill.Job`),
+:meth:`Regenerator.answered` return the next request (a :class:`~eaglenest.extraction.client.Job`),
 the finished :class:`Sample`, or a :class:`Skipped` decision. Every answer is handed to ``on_answer``
 (to persist it) before it is used, and answers given back through ``answers`` are replayed without a
 request: a resumed run never asks for an answer it already has.
@@ -34,7 +34,7 @@ from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.data.chat import ChatEncoder, SampleError, Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.data.sources import Message
-from eaglenest.extraction.prefill import Job
+from eaglenest.extraction.client import Job
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

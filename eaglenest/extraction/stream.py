@@ -30,16 +30,9 @@ from eaglenest import contract
 from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.aio import run_sync
+from eaglenest.extraction.client import Answer, EngineClient, Failure, Job
 from eaglenest.extraction.connect import RunContext
-from eaglenest.extraction.prefill import (
-    CAPTURE_LANE,
-    Answer,
-    EngineClient,
-    Failure,
-    Job,
-    capture_request,
-    check_capture_answer,
-)
+from eaglenest.extraction.prefill import CAPTURE_LANE, capture_request, check_capture_answer
 from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
 from eaglenest.extraction.state import (
     ANSWERS,

@@ -194,7 +194,8 @@ def test_a_reused_rid_answers_from_its_shard_or_409_and_the_client_stops(capture
     assert path.read_bytes() == stored and [p.name for p in engine.capture_dir.iterdir()] == [path.name]
 
     from eaglenest.data import Sample
-    from eaglenest.extraction.prefill import ClientConfig, prefill
+    from eaglenest.extraction.client import ClientConfig
+    from eaglenest.extraction.prefill import prefill
 
     res = prefill([Sample(sample_id="again", input_ids=[5, 6, 7, 8], loss_spans=()),
                    Sample(sample_id="fresh", input_ids=[9, 10], loss_spans=())], [url],

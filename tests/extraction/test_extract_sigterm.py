@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from eaglenest.cli import app
 from eaglenest.engines.pool import LaunchSpec, ServerPool
-from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job
+from eaglenest.extraction.client import ClientConfig, EngineClient, Job
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction
 from eaglenest.extraction.stream import run_sync

@@ -8,7 +8,8 @@ import pytest
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.extraction.prefill import ClientConfig, EngineClient, Job, prefill, prefill_async
+from eaglenest.extraction.client import ClientConfig, EngineClient, Job
+from eaglenest.extraction.prefill import prefill, prefill_async
 
 A, B = "http://a", "http://b"
 
@@ -218,7 +219,7 @@ def test_progress_callback_and_sync_wrapper():
 def test_follow_up_jobs_go_ahead_of_queued_new_work():
     """A conversation's next turn (priority 0) is sent before conversations still waiting (priority 1), so
     finished samples flow on to capture while the queue of new ones keeps the engine busy."""
-    from eaglenest.extraction.prefill import EngineClient, Job
+    from eaglenest.extraction.client import EngineClient, Job
 
     rec = Recorder(lambda req, n, tries: httpx.Response(200, json={"text": "x", "meta_info": {}}))
     client = EngineClient([A], config=ClientConfig(concurrency=1), transport=rec.transport())

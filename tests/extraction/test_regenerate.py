@@ -6,7 +6,7 @@ import pytest
 from eaglenest.data import ChatEncoder, Message, Record, build_samples
 from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
-from eaglenest.extraction.prefill import Job
+from eaglenest.extraction.client import Job
 from eaglenest.extraction.regenerate import RegenConfig, Regenerator, TurnAnswer
 from tests.data.test_data_chat import SMOLLM2_TEMPLATE, with_template
 
