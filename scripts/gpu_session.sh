@@ -21,10 +21,10 @@
 # SOURCE, MAX_TURNS and LIMIT reuses them).
 # Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
 # `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
-# conversations, 10.5 MB; train-mtc.jsonl.xz adds `scripts/pack_code_prompts.py`'s 2,777 coding prompts, 10.6 MB:
-# carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
+# conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
+# through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl), FP8 (0; 1: also an fp8 store), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -136,6 +136,9 @@ info = subprocess.run([sys.executable, '-m', 'eaglenest', 'store', 'info', '/tmp
 tokens = json.loads(info)['tokens'] * 0.95  # the held-out split is not trained on
 print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens)))")}
   echo "training $epochs epochs" >&2
+  # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step)
+  [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
+    --tokens 16384 --seq 512 2048 --vocab 16000 --precision bf16 --profile 40 > "$R/train-profile.txt" 2>&1 || true
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done

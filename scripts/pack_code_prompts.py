@@ -11,7 +11,8 @@ functions and templates in sorted order; the template picked by a hash of the fu
 writes the same file. No evaluation prompt can be among them: every prompt names a standard-library
 function, and records whose text equals a user turn of mt-bench, humaneval or the ShareGPT held-out split
 are dropped anyway (counted). ``--append-to`` writes the records after an existing pack, so one source
-holds both.
+holds both; with ``--spread`` they are spread evenly through it instead (one after every n-th of its records), so
+an extraction cut short by its time budget or ``--limit`` still gets both kinds in their proportion.
 """
 
 from __future__ import annotations
@@ -118,11 +119,26 @@ def _routines(m):
                     yield f"{name}.{meth}", fn
 
 
+def spread(lines: list[bytes], records: list[dict]) -> list[dict]:
+    """The pack's JSON ``lines`` with ``records`` placed evenly among them: record j after line
+    ``(j + 1) * len(lines) // (len(records) + 1)``, order kept on both sides."""
+    out: list[dict] = []
+    cuts = [(j + 1) * len(lines) // (len(records) + 1) for j in range(len(records))]
+    j = 0
+    for i, line in enumerate(lines):
+        out.append(json.loads(line))
+        while j < len(records) and cuts[j] == i + 1:
+            out.append(records[j])
+            j += 1
+    return out + records[j:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--count", type=int, default=4000, help="most prompts (one per function)")
     ap.add_argument("--append-to", help="a JSONL(.xz) pack to write before these records")
+    ap.add_argument("--spread", action="store_true", help="spread these records evenly through --append-to's")
     a = ap.parse_args()
     t0 = time.perf_counter()
     excluded_texts = user_texts(list(PROMPT_SETS))
@@ -142,9 +158,14 @@ def main() -> None:
     if a.append_to:
         raw = Path(a.append_to).read_bytes()
         head = lzma.decompress(raw) if a.append_to.endswith(".xz") else raw
+    elif a.spread:
+        ap.error("--spread needs --append-to")
+    other = head.splitlines()
+    if a.spread:
+        records, head = spread(other, records), b""
     data = write_jsonl(a.out, records, after=head)
-    print(json.dumps({"prompts": len(records), "modules": len(modules),
-                      "excluded_eval_prompts": excluded, "records_before": len(head.splitlines()),
+    print(json.dumps({"prompts": len(records) - len(other) if a.spread else len(records), "modules": len(modules),
+                      "excluded_eval_prompts": excluded, "records_before": len(other), "spread": a.spread,
                       "python": sys.version.split()[0], "bytes": len(data),
                       "seconds": round(time.perf_counter() - t0, 1)}))
 

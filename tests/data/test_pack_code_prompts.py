@@ -45,3 +45,17 @@ def test_signatures_hold_no_process_state(monkeypatch, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] > 2000
     assert not re.search(r" at 0x[0-9a-f]+", text) and "environ({" not in text
     assert "`cgi.test(environ=...)`" in text or "cgi.test" not in text
+
+
+def test_spread_places_the_prompts_evenly_through_the_pack(monkeypatch, tmp_path, capsys):
+    """A run cut short (time budget, --limit) sees both kinds: each tenth of the output holds its share."""
+    before = tmp_path / "mt.jsonl"
+    before.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}, {
+        "role": "assistant", "content": "a"}]}) + "\n" for i in range(90)))
+    out = tmp_path / "mix.jsonl.xz"
+    run_script(monkeypatch, "--out", str(out), "--count", "30", "--append-to", str(before), "--spread")
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["prompts"] == 30 and summary["records_before"] == 90
+    ids = [r.id for r in read_records(str(out)).records]
+    assert len(ids) == 120 and [i for i in ids if i.startswith("c")] == [f"c{i}" for i in range(90)]
+    assert [sum(i.startswith("pycode-") for i in ids[k : k + 12]) for k in range(0, 120, 12)] == [3] * 10
