@@ -6,6 +6,9 @@ Owns how requests reach servers and which failures are retried:
   server pulling from one queue, so a fast server takes more work and a dead one takes none. A job may
   name a lane (``ClientConfig.lanes``): its own queue and workers, so slow jobs of one kind (captures
   waiting for their shard) never take the slots of another (the generations that fill the decode batch).
+  Workers share connection pools of at most ``pool_size``: httpcore scans every connection of a pool
+  (a syscall each, and a quadratic count of idle ones) whenever a request starts or ends, so one pool of
+  1,280 connections kept the request loop busy (64% of its time on the H200) while the GPU waited.
 - Retryable (re-queued with exponential backoff + jitter, possibly to another server, up to
   ``max_attempts``): connection errors/resets, timeouts, 5xx except 507, 408, 429. Terminal (reported
   per job, never retried): other 4xx (400 bad request, 409 a rid whose shard on the server holds other
@@ -22,6 +25,7 @@ sent for a job after its terminal failure; the transport and the sleep function 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -52,10 +56,16 @@ class ClientConfig:
     keepalive_expiry_s: float = 2.0
     """Idle connections are dropped after this, below the server's keep-alive timeout (SGLang's uvicorn: 5 s),
     so a request is not sent on a connection the server is closing (it fails without an answer)."""
+    pool_size: int = 4
+    """Workers per httpx connection pool (each pool holds one connection per worker, plus one for probes).
+    httpcore's pool does O(connections) work, with syscalls, on every request event, so many small pools
+    cost far less than one big one: at 1,024 in flight on 2 CPU cores, 4 per pool answered 850-1,130 requests/s,
+    one pool of all 23 (``scripts/bench_client.py``)."""
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or any(n < 1 for _, n in self.lanes):
-            raise ValueError("concurrency, lane sizes, max_attempts and down_after must be >= 1")
+        if (self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or self.pool_size < 1
+                or any(n < 1 for _, n in self.lanes)):
+            raise ValueError("concurrency, lane sizes, max_attempts, down_after and pool_size must be >= 1")
 
 
 Check = Callable[["Job", dict[str, Any]], str | None]
@@ -115,6 +125,8 @@ class ClientStats:
     """Per server taken out: its URL and the errors that took it out."""
     streaks_survived: int = 0
     """Streaks of connection failures after which the server still answered ``/health`` (it stayed in)."""
+    pools: int = 0
+    """httpx connection pools of the last call (``ClientConfig.pool_size`` workers each)."""
 
 
 class _Attempt(Exception):
@@ -159,8 +171,6 @@ class EngineClient:
         cfg = self.config
         timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
         lanes: dict[str | None, int] = {None: cfg.concurrency, **dict(cfg.lanes)}
-        limits = httpx.Limits(max_connections=sum(lanes.values()) * len(self._servers) + 4,
-                              keepalive_expiry=cfg.keepalive_expiry_s)
         self._queues: dict[str | None, asyncio.PriorityQueue[tuple[int, int, Job | None]]] = {
             lane: asyncio.PriorityQueue() for lane in lanes}
         self._seq = 0
@@ -176,9 +186,17 @@ class EngineClient:
             self._add(job)
         if self._open == 0:
             return []
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport) as client:
-            workers = [asyncio.create_task(self._worker(client, s, lane)) for s in self._servers
-                       for lane, n in lanes.items() for _ in range(n)]
+        slots = [(s, lane) for s in self._servers for lane, n in lanes.items() for _ in range(n)]
+        groups = [slots[i : i + cfg.pool_size] for i in range(0, len(slots), cfg.pool_size)]
+        tls = httpx.create_ssl_context()  # one for all pools (building one costs ~20 ms)
+        async with contextlib.AsyncExitStack() as stack:
+            workers = []
+            for group in groups:
+                limits = httpx.Limits(max_connections=len(group) + 1, keepalive_expiry=cfg.keepalive_expiry_s)
+                client = await stack.enter_async_context(httpx.AsyncClient(
+                    timeout=timeout, limits=limits, transport=self._transport, verify=tls))
+                workers += [asyncio.create_task(self._worker(client, s, lane)) for s, lane in group]
+            self.stats.pools = len(groups)
             finished = False
             try:
                 await self._idle.wait()

@@ -207,6 +207,32 @@ def test_two_servers_share_the_work_and_in_flight_is_bounded():
     assert max(peak.values()) <= 3
 
 
+def test_workers_share_small_connection_pools(monkeypatch):
+    """httpcore's pool scans all its connections on every request event (one pool of 1,280 kept the request
+    loop 64% busy on the H200): workers are split into pools of at most ``pool_size`` (+1 for a probe), one
+    TLS context for all, and every job still ends once."""
+    import eaglenest.extraction.client as client_mod
+
+    made = []
+
+    class Recording(httpx.AsyncClient):
+        def __init__(self, **kw):
+            made.append(kw)
+            super().__init__(**kw)
+
+    monkeypatch.setattr(client_mod.httpx, "AsyncClient", Recording)
+    rec = Recorder(lambda req, n, k: ok(req))
+    cfg = ClientConfig(concurrency=5, pool_size=4, lanes=(("capture", 2),))
+    client = EngineClient([A, B], config=cfg, transport=rec.transport())
+    jobs = [Job(f"s{i}", {"rid": f"s{i}", "input_ids": [1, 2]}, lane="capture" if i % 3 == 0 else None)
+            for i in range(60)]
+    out = asyncio.run(client.run(jobs))
+    assert sorted(o.key for o in out) == sorted(j.key for j in jobs) and len(rec.calls) == 60
+    # (5 + 2) workers x 2 servers = 14 in pools of 4, 4, 4, 2
+    assert client.stats.pools == 4 and [kw["limits"].max_connections for kw in made] == [5, 5, 5, 3]
+    assert len({id(kw["verify"]) for kw in made}) == 1
+
+
 def test_progress_callback_and_sync_wrapper():
     seen = []
     rec = Recorder(lambda req, n, tries: ok(req))
