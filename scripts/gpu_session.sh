@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device session on the H200 as four back-to-back `run` calls (the machine keeps /tmp while warm):
 #
-#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 (64 MiB a call):
-#                                                                 unpack the SGLang kit; the first GGUF half
+#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 [.gpu-logs] (64 MiB a
+#                                                                 call): unpack the SGLang kit; the first GGUF half;
+#                                                                 an earlier session's answers
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
 #   train  carry .device/bin                                     drafters on both stores at once (gpu_sweep),
@@ -17,8 +18,8 @@
 #                                             prompts`)
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
-# data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu/ and the next data step with the same
-# SOURCE, MAX_TURNS and LIMIT reuses them).
+# data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
+# call, and the next data step with the same SOURCE, MAX_TURNS and LIMIT captures them without regenerating).
 # Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
 # `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
@@ -53,6 +54,9 @@ run() {  # log the exact command line, then run it
 case "$STEP" in
 setup)
   mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
+  # the target's answers of an earlier session (.gpu-logs/regen-logs-TAG.tar.xz.part*) travel with the second setup
+  # call, beside gguf1: the data call's 64 MiB are taken by gguf2 and the prompt pack
+  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp .gpu-logs/regen-logs-* /tmp/gpu-logs/ && ls -la /tmp/gpu-logs; fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
@@ -61,9 +65,12 @@ data)
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
   tag="$(basename "${SOURCE:-train-1t.jsonl.xz}" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
-  if ls .gpu/regen-logs-"$tag".tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
-    mkdir -p /tmp/ext/regen && cat .gpu/regen-logs-"$tag".tar.xz.part* | tar -C /tmp/ext/regen -xJf - && ls -la /tmp/ext/regen
-  fi
+  for logs in .gpu /tmp/gpu-logs; do
+    if ls "$logs"/regen-logs-"$tag".tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
+      mkdir -p /tmp/ext/regen && cat "$logs"/regen-logs-"$tag".tar.xz.part* | tar -C /tmp/ext/regen -xJf - \
+        && ls -la /tmp/ext/regen
+    fi
+  done
   [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
   # the extraction gets EXTRACT_S seconds (SIGTERM: it stops its servers; what is validated stays) so the stores
   # and the calibration capture still fit in the call; `data` again resumes it (the stores are then rebuilt,
