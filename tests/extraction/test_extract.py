@@ -236,6 +236,46 @@ def test_interrupted_regeneration_never_asks_for_an_answer_twice(tiny_extract_pa
     assert len(captured) == len(set(captured)) == 13
 
 
+def test_answers_carried_to_a_fresh_folder_are_captured_without_regenerating(tiny_extract_params, capture_servers,
+                                                                            tmp_path):
+    """The GPU session's way: only answers.jsonl and regenerated.jsonl of a killed run travel to a new machine
+    (a fresh output folder, no shards, no ledger); the same command captures what they hold and asks the
+    engine only for the answers they lack."""
+    import shutil
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 12), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6, delay_s=0.1)
+    params = with_(params, server_urls=[url])
+
+    class Kill(BaseException):
+        pass
+
+    def kill_midway(p):
+        if p.generated_tokens >= 5 * 7:
+            raise Kill
+
+    with pytest.raises(Kill):
+        run_extraction(params, on_progress=kill_midway)
+    answered = len((ext.dir / "answers.jsonl").read_text().splitlines())
+    fresh = with_(params, output_dir=str(tmp_path / "elsewhere"))
+    moved = open_extraction(fresh)
+    for name in ("answers.jsonl", "regenerated.jsonl"):
+        if (ext.dir / name).is_file():
+            shutil.copy(ext.dir / name, moved.dir / name)
+    ((url2, engine2),) = capture_servers(moved.capture_dir)
+    engine2.greedy_decoder = StopAfter(engine2.runner, k=6)
+    rids = record_rids(engine2)
+    report = run_extraction(with_(fresh, server_urls=[url2]))
+    assert_complete_and_exact(report, moved.dir)
+    generated = [r for r in rids if r.startswith("nocapture:regen:")]
+    assert len(generated) == len(set(generated)) == 14 - answered  # the carried answers are never asked again
+    captured = [r for r in rids if not r.startswith("nocapture:")]
+    assert len(captured) == len(set(captured)) == 13  # and every sample is captured here, once
+
+
 def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, monkeypatch):
     import sys
     import types
