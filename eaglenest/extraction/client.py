@@ -60,7 +60,7 @@ class ClientConfig:
     """Workers per httpx connection pool (each pool holds one connection per worker, plus one for probes).
     httpcore's pool does O(connections) work, with syscalls, on every request event, so many small pools
     cost far less than one big one: at 1,024 in flight on 2 CPU cores, 4 per pool answered 850-1,130 requests/s,
-    one pool of all 23 (``scripts/bench_client.py``)."""
+    one pool for all of them 23 (``scripts/bench_client.py``)."""
 
     def __post_init__(self) -> None:
         if (self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or self.pool_size < 1
