@@ -65,7 +65,7 @@ def free_port() -> int:
 
 
 def one_round(url: str, concurrency: int, requests: int, pool_size: int) -> dict:
-    from eaglenest.extraction.client import ClientConfig, EngineClient, Job
+    from eaglenest.extraction.client import ClientConfig, EngineClient, Failure, Job
 
     client = EngineClient([url], config=ClientConfig(concurrency=concurrency, pool_size=pool_size,
                                                      keepalive_expiry_s=30.0))
@@ -74,7 +74,7 @@ def one_round(url: str, concurrency: int, requests: int, pool_size: int) -> dict
     cpu0, t0 = time.process_time(), time.perf_counter()
     outcomes = asyncio.run(client.run(jobs))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    failed = sum(1 for o in outcomes if not hasattr(o, "body"))
+    failed = sum(isinstance(o, Failure) for o in outcomes)
     return {"pool_size": pool_size, "pools": client.stats.pools, "requests_per_s": round(requests / wall, 1),
             "client_cpu_s_per_1k": round(1000 * cpu / requests, 3), "failed": failed}
 

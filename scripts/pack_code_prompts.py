@@ -161,10 +161,8 @@ def main() -> None:
     elif a.spread:
         ap.error("--spread needs --append-to")
     other = head.splitlines()
-    if a.spread:
-        records, head = spread(other, records), b""
-    data = write_jsonl(a.out, records, after=head)
-    print(json.dumps({"prompts": len(records) - len(other) if a.spread else len(records), "modules": len(modules),
+    data = (write_jsonl(a.out, spread(other, records)) if a.spread else write_jsonl(a.out, records, after=head))
+    print(json.dumps({"prompts": len(records), "modules": len(modules),
                       "excluded_eval_prompts": excluded, "records_before": len(other), "spread": a.spread,
                       "python": sys.version.split()[0], "bytes": len(data),
                       "seconds": round(time.perf_counter() - t0, 1)}))

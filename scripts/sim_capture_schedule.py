@@ -27,6 +27,7 @@ import time
 import httpx
 
 from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Failure, Job
+from eaglenest.extraction.config import default_capture_concurrency
 from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.stream import CAPTURE, NEW_CONVERSATION
 
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=574)
     ap.add_argument("--scale", type=float, default=5.0)
     a = ap.parse_args()
-    lane = max(1, a.concurrency // 4)  # the extraction's default capture_concurrency
+    lane = default_capture_concurrency(a.concurrency)
     for name, cap, new, own in (("one priority (FIFO)", 0, 0, 0), ("capture first", CAPTURE, NEW_CONVERSATION, 0),
                                 (f"capture lane ({lane})", CAPTURE, NEW_CONVERSATION, lane)):
         r = simulate(a, capture_priority=cap, new_priority=new, capture_lane=own)

@@ -51,6 +51,11 @@ class RegenerationParams(BaseModel):
         return out
 
 
+def default_capture_concurrency(concurrency: int) -> int:
+    """Capture requests in flight per server beside ``concurrency`` generations, when not given."""
+    return max(1, concurrency // 4)
+
+
 class ExtractParams(BaseModel):
     """Extract hidden states for a prompt set: tokenize, (regenerate), prefill with capture, validate."""
 
@@ -156,7 +161,7 @@ class ExtractParams(BaseModel):
         """Capture requests in flight per server in their own lane (None: no lane, captures use concurrency)."""
         if not self.regeneration.enabled:
             return None
-        return self.capture_concurrency or max(1, self.concurrency // 4)
+        return self.capture_concurrency or default_capture_concurrency(self.concurrency)
 
     @property
     def output_path(self) -> str:
