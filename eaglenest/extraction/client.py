@@ -145,7 +145,6 @@ class _Server:
     """Consecutive connection failures."""
     timeouts: int = 0
     """Consecutive timeouts."""
-    workers: int = 0
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One ``/health`` probe at a time; the workers failing meanwhile wait for its verdict."""
 
