@@ -138,9 +138,11 @@ train)
   # 6.5 minutes had stopped at step 1,653 of 2,472)
   epochs=${EPOCHS:-$(python3 -c "
 import json, math, subprocess, sys
+from eaglenest.drafter.config import TrainConfig
 info = subprocess.run([sys.executable, '-m', 'eaglenest', 'store', 'info', '/tmp/store-bf16'], capture_output=True,
                       text=True, check=True).stdout
-tokens = json.loads(info)['tokens'] * 0.95  # the held-out split is not trained on
+held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
+tokens = json.loads(info)['tokens'] * (1 - held)
 print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens)))")}
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step)

@@ -19,6 +19,7 @@ from eaglenest import contract
 from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
+from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
 from eaglenest.store.extraction import open_samples as open_store
 
 
@@ -94,9 +95,6 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-
-HELDOUT = "heldout"
-"""The eval-set name of the training store's own held-out split."""
 
 
 def schedule_steps(config: TrainConfig, batches_per_epoch: int, world: int) -> int:
