@@ -25,7 +25,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -45,6 +45,7 @@ source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
 SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
 MODEL=/tmp/smol/model
+STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise)
 
 run() {  # log the exact command line, then run it
   echo "$(date -u +%FT%TZ) $*" | tee -a "$W/commands.txt" >&2
@@ -82,12 +83,22 @@ data)
       nvidia-smi dmon -s um -d 1 -o DT > "$R/dmon.txt" 2>&1 &  # -o DT: each second's date and time
       dmon=$!
     fi
+    # the store is written beside the shards (bf16: as many bytes again, fp8: half): when the free disk could not
+    # hold it any more, the extraction is stopped like at the end of its budget (what is validated stays)
+    ( while sleep 5; do
+        used=$(du -sb /tmp/ext/regen 2>/dev/null | cut -f1); free=$(df -B1 --output=avail /tmp | tail -1)
+        need=$(( ${used:-0} * $([ "$STORE" = fp8 ] && echo 1 || echo 2) / 2 + 4000000000 ))
+        if [ "$free" -lt "$need" ]; then echo "disk: ${free} B free < ${need} B for the store; stopping the extraction" >&2
+          pkill -TERM -f "^python3 -m eaglenest extract" || true; break; fi
+      done ) &
+    local guard=$!
     run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/${SOURCE:-train-1t.jsonl.xz}" \
       --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
-      --sglang-arg=8192 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; [ -z "$dmon" ] || kill "$dmon"; return $rc; }
-    [ -z "$dmon" ] || kill "$dmon"
+      --sglang-arg=8192 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; kill "$guard" 2>/dev/null || true
+                                                                      [ -z "$dmon" ] || kill "$dmon"; return $rc; }
+    kill "$guard" 2>/dev/null || true; [ -z "$dmon" ] || kill "$dmon"
   }
   if [ "${EXTRACT:-1}" != 0 ]; then
     t0=$(date +%s); budget=${EXTRACT_S:-420}
@@ -120,9 +131,10 @@ s = CaptureSettings(model='$MODEL', engine='sglang', max_new_tokens=256, batch_s
 folder, rep = capture_answers('/tmp/gpu/calib.jsonl', s, '/tmp/calib')
 print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
   calib=$!
-  run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial
-  [ "${FP8:-0}" = 0 ] || run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial \
-    --encoding fp8 --device cuda
+  if [ "$STORE" = bf16 ]; then run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial; fi
+  if [ "$STORE" = fp8 ] || [ "${FP8:-0}" = 1 ]; then
+    run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
+  fi
   wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
   tail -3 "$W/calib.log"
   cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
@@ -139,7 +151,7 @@ train)
   epochs=${EPOCHS:-$(python3 -c "
 import json, math, subprocess, sys
 from eaglenest.drafter.config import TrainConfig
-info = subprocess.run([sys.executable, '-m', 'eaglenest', 'store', 'info', '/tmp/store-bf16'], capture_output=True,
+info = subprocess.run([sys.executable, '-m', 'eaglenest', 'store', 'info', '/tmp/store-$STORE'], capture_output=True,
                       text=True, check=True).stdout
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
 tokens = json.loads(info)['tokens'] * (1 - held)
@@ -151,7 +163,7 @@ print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done
-  run env OUT="$R" python3 scripts/gpu_sweep.py --store /tmp/store-bf16 --target "$MODEL" --grid "$grid" \
+  run env OUT="$R" python3 scripts/gpu_sweep.py --store "/tmp/store-$STORE" --target "$MODEL" --grid "$grid" \
     "${evals[@]}" --epochs "$epochs" --eval-every 200 --max-minutes "${TRAIN_MINUTES:-8.5}" --work /tmp/sweep
   for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
