@@ -25,7 +25,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -45,7 +45,9 @@ source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
 SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
 MODEL=/tmp/smol/model
-STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise)
+STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise), or
+# `extraction`: no store, training reads the extraction folder in place (all the disk goes to shards: ~13M tokens)
+TRAIN_DATA=/tmp/store-$STORE; [ "$STORE" != extraction ] || TRAIN_DATA=/tmp/ext/regen
 
 run() {  # log the exact command line, then run it
   echo "$(date -u +%FT%TZ) $*" | tee -a "$W/commands.txt" >&2
@@ -66,10 +68,13 @@ data)
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
   tag="$(basename "${SOURCE:-train-1t.jsonl.xz}" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
+  # ANSWERS_FROM=TAG: the answers of a run with other turns or limit (e.g. train-mtx-t3-l15432 for MAX_TURNS=8): only
+  # answers.jsonl is taken, so each turn it holds is replayed and the later turns are generated in their context
+  from=${ANSWERS_FROM:-$tag}; only=(); [ "$from" = "$tag" ] || only=(answers.jsonl)
   for logs in .gpu /tmp/gpu-logs; do
-    if ls "$logs"/regen-logs-"$tag".tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
-      mkdir -p /tmp/ext/regen && cat "$logs"/regen-logs-"$tag".tar.xz.part* | tar -C /tmp/ext/regen -xJf - \
-        && ls -la /tmp/ext/regen
+    if ls "$logs"/regen-logs-"$from".tar.xz.part* >/dev/null 2>&1 && [ ! -f /tmp/ext/regen/answers.jsonl ]; then
+      mkdir -p /tmp/ext/regen && cat "$logs"/regen-logs-"$from".tar.xz.part* \
+        | tar -C /tmp/ext/regen -xJf - ${only[@]+"${only[@]}"} && ls -la /tmp/ext/regen
     fi
   done
   [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
@@ -87,7 +92,8 @@ data)
     # hold it any more, the extraction is stopped like at the end of its budget (what is validated stays)
     ( while sleep 5; do
         used=$(du -sb /tmp/ext/regen 2>/dev/null | cut -f1); free=$(df -B1 --output=avail /tmp | tail -1)
-        need=$(( ${used:-0} * $([ "$STORE" = fp8 ] && echo 1 || echo 2) / 2 + 4000000000 ))
+        share=2; [ "$STORE" = fp8 ] && share=1; [ "$STORE" = extraction ] && share=0
+        need=$(( ${used:-0} * share / 2 + 4000000000 ))
         if [ "$free" -lt "$need" ]; then echo "disk: ${free} B free < ${need} B for the store; stopping the extraction" >&2
           pkill -TERM -f "^python3 -m eaglenest extract" || true; break; fi
       done ) &
@@ -149,12 +155,11 @@ train)
   # measured), so the step schedule finishes and the budget stays a safety stop (12 epochs of 3.36M tokens in
   # 6.5 minutes had stopped at step 1,653 of 2,472)
   epochs=${EPOCHS:-$(python3 -c "
-import json, math, subprocess, sys
+import math
 from eaglenest.drafter.config import TrainConfig
-info = subprocess.run([sys.executable, '-m', 'eaglenest', 'store', 'info', '/tmp/store-$STORE'], capture_output=True,
-                      text=True, check=True).stdout
+from eaglenest.store.extraction import open_samples
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
-tokens = json.loads(info)['tokens'] * (1 - held)
+tokens = int(open_samples('$TRAIN_DATA', check_sha256=False).num_tokens.sum()) * (1 - held)
 print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens)))")}
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step)
@@ -163,7 +168,7 @@ print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done
-  run env OUT="$R" python3 scripts/gpu_sweep.py --store "/tmp/store-$STORE" --target "$MODEL" --grid "$grid" \
+  run env OUT="$R" python3 scripts/gpu_sweep.py --store "$TRAIN_DATA" --target "$MODEL" --grid "$grid" \
     "${evals[@]}" --epochs "$epochs" --eval-every 200 --max-minutes "${TRAIN_MINUTES:-8.5}" --work /tmp/sweep
   for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do

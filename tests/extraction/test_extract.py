@@ -276,6 +276,36 @@ def test_answers_carried_to_a_fresh_folder_are_captured_without_regenerating(tin
     assert len(captured) == len(set(captured)) == 13  # and every sample is captured here, once
 
 
+def test_answers_of_fewer_turns_carried_to_a_fresh_folder_are_replayed_and_later_turns_generated(
+        tiny_extract_params, capture_servers, tmp_path):
+    """A run of first turns only; its answers.jsonl alone (no regenerated.jsonl: those samples end after turn 0)
+    starts a run of every turn in a fresh folder: turn 0 is replayed, only the second turn is asked for, and the
+    conversation is spliced with both answers in place."""
+    import shutil
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 12), max_turns=1, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.greedy_decoder = StopAfter(engine.runner, k=6)
+    first = run_extraction(with_(params, server_urls=[url]))
+    assert first["complete"] and first["run"]["requests"] >= 13
+    assert len((ext.dir / "answers.jsonl").read_text().splitlines()) == 13  # one answer per record
+    every = with_(params, max_turns=None, output_dir=str(tmp_path / "elsewhere"))
+    moved = open_extraction(every)
+    shutil.copy(ext.dir / "answers.jsonl", moved.dir / "answers.jsonl")
+    ((url2, engine2),) = capture_servers(moved.capture_dir)
+    engine2.greedy_decoder = StopAfter(engine2.runner, k=6)
+    rids = record_rids(engine2)
+    report = run_extraction(with_(every, server_urls=[url2]))
+    assert_complete_and_exact(report, moved.dir)
+    assert [r for r in rids if r.startswith("nocapture:regen:")] == ["nocapture:regen:c:1"]
+    assert report["run"]["replayed_answers"] == 13
+    lines = (moved.dir / "regenerated.jsonl").read_text().splitlines()
+    regen = {json.loads(x)["sample_id"]: json.loads(x) for x in lines}
+    assert len(regen["c"]["loss_spans"]) == 2  # both answers under the loss
+
+
 def test_sglang_servers_are_built_by_the_sglang_launcher(tiny_extract_params, monkeypatch):
     import sys
     import types
