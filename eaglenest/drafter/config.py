@@ -60,6 +60,10 @@ class TrainConfig(BaseModel):
         "random", description="random (SpecForge's choice); target: LM head/norm from the target and fc reading "
         "the deepest aux layer (starts at a higher KL; no better after 40 steps on SmolLM2)."
     )
+    init_from: str | None = Field(None, description=(
+        "An exported drafter folder (`eaglenest export`) to start from: its weights and draft vocabulary, on a new "
+        "schedule (more passes, new data, or another engine's capture of the same target). It must fit the store's "
+        "capture (target, aux layers, hidden size)."))
     seed: int = Field(0, description="Seed of initialisation and data order.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of sample ids held out.")
     eval_max_samples: int = Field(200, ge=0, description="Cap on held-out samples (the rest train).")
@@ -89,6 +93,9 @@ class TrainConfig(BaseModel):
                              "a micro-batch must hold at least one full sample")
         if "heldout" in self.eval_sets:
             raise ValueError("eval_sets: 'heldout' names the training store's own held-out split; pick another name")
+        if self.init_from is not None and self.init != "random":
+            raise ValueError(f"init_from ({self.init_from}) and init={self.init!r} both set the starting weights; "
+                             "pick one")
         if self.eval_fraction > 0 and self.eval_max_samples == 0:
             raise ValueError("eval_fraction > 0 needs eval_max_samples > 0 (or set eval_fraction=0)")
         return self

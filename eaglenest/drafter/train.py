@@ -106,6 +106,19 @@ def _build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: i
     return vocab or DraftVocab(ids, vocab_size)
 
 
+def _starting_drafter(config: TrainConfig, target_dir: Path, provenance) -> dict[str, torch.Tensor]:
+    """The weights of ``config.init_from`` (an export checked against the target and the store's capture)."""
+    from eaglenest.drafter.export import load_drafter
+
+    loaded = load_drafter(config.init_from, target_dir=target_dir, provenance=provenance)
+    size = loaded.model.config.draft_vocab_size
+    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
+        raise contract.ContractError(
+            f"init_from {config.init_from} has a draft vocabulary of {size} tokens, the config asks for "
+            f"{config.draft_vocab_size}: leave draft_vocab_size unset (the drafter's own is kept) or start afresh")
+    return loaded.model.state_dict()
+
+
 def _comm_device(device: torch.device) -> torch.device:
     """Where collective tensors live: the GPU for nccl, the CPU for gloo."""
     return device if device.type == "cuda" else torch.device("cpu")
@@ -183,15 +196,21 @@ class Trainer:
             ckpts.clean_temporaries()
         checkpoint = ckpts.load() if ckpts.latest() is not None else None
         fingerprint = store_fingerprint(store)
+        start = None  # the drafter a new run starts from (init_from); a resumed run has its checkpoint's weights
         if checkpoint is not None:
             check_resume(checkpoint.state, config, fingerprint, tt.config, world=d.world)
             vocab = DraftVocab.from_d2t(checkpoint.model["d2t"], int(tt.config["vocab_size"]))
+        elif config.init_from is not None:
+            start = _starting_drafter(config, target_dir, store.provenance)
+            vocab = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
         else:
             vocab = _build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
         dcfg = DrafterConfig.from_target(tt.config, aux_layer_ids=store.provenance.aux_layer_ids,
                                          draft_vocab_size=vocab.size)
         drafter = Eagle3Drafter(dcfg, embed_weight=tt.embed)
         drafter.load_vocab(vocab.d2t, vocab.t2d)
+        if start is not None:
+            drafter.load_state_dict(start)
         if config.init == "target":
             drafter.init_from_target(tt)
         drafter.to(device)

@@ -111,3 +111,29 @@ def test_loader_refuses_a_mismatched_target_or_capture(tmp_path, trained_run, ti
     (out / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ContractError, match="sha256"):
         load_drafter(out, target_dir=tiny_model_dir)
+
+
+def test_training_starts_from_an_exported_drafter(tmp_path, trained_run, tiny_model_dir, drafter_store):
+    """init_from: a new run starts with the export's weights and draft vocabulary (a fresh schedule), and
+    refuses a config that asks for another vocabulary size or for two starting points."""
+    from eaglenest.drafter.train import Trainer
+
+    out = export_drafter(trained_run, tmp_path / "sgl", fmt="sglang")
+    exported = load_drafter(out, target_dir=tiny_model_dir).model.state_dict()
+    cfg = TrainConfig(store="memory", out_dir=str(tmp_path / "more"), target=str(tiny_model_dir), init_from=str(out),
+                      ttt_steps=2, max_steps=3, max_tokens=256, max_seq_len=128, warmup_steps=1, eval_fraction=0.0,
+                      eval_every=0, precision="fp32", threads=1)
+    t = Trainer.setup(cfg, store=drafter_store)
+    assert t.vocab.size == 150 and t.total == 3 and t.step_no == 0
+    start = t.drafter.state_dict()
+    assert set(start) == set(exported) and all(torch.equal(start[k], exported[k]) for k in exported)
+    fresh = Trainer.setup(cfg.model_copy(update={"init_from": None, "draft_vocab_size": 150,
+                                                 "out_dir": str(tmp_path / "fresh")}), store=drafter_store)
+    assert not torch.equal(fresh.drafter.state_dict()["fc.weight"], exported["fc.weight"])  # a real start point
+    result = train(cfg, store=drafter_store)
+    assert result.status == "done" and result.step == 3 and read_trained(tmp_path / "more").training["step"] == 3
+    with pytest.raises(ContractError, match="draft vocabulary of 150 tokens, the config asks for 100"):
+        Trainer.setup(cfg.model_copy(update={"draft_vocab_size": 100, "out_dir": str(tmp_path / "v")}),
+                      store=drafter_store)
+    with pytest.raises(ValueError, match="both set the starting weights"):
+        TrainConfig(**{**cfg.model_dump(), "init": "target"})
