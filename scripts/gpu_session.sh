@@ -144,6 +144,9 @@ print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log"
   wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
   tail -3 "$W/calib.log"
   cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
+  # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token sequences
+  # (carried into a fresh extraction folder they are replayed, not generated) to compare its features with SGLang's
+  (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
   du -sb /tmp/ext/regen /tmp/store-bf16 /tmp/store-fp8 2>/dev/null | tee "$R/sizes.txt" || true  # no fp8 store: not an error
   for v in bf16 fp8; do python3 -m eaglenest store info "/tmp/store-$v" > "$R/store-$v.txt" 2>&1 || true; done
   ;;
