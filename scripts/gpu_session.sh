@@ -25,7 +25,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -129,21 +129,24 @@ json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sc
 " > "$R/profile.json" || true
   [ "${PROFILE:-0}" != 1 ] || python3 scripts/profile_gaps.py --dmon "$R/dmon.txt" --prof "$R/prof" > "$R/gaps.json" || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
-  run python3 -c "
+  # (CAPTURE_CALIB=0: none, for a call that only measures the extraction)
+  calib=; [ "${CAPTURE_CALIB:-1}" = 0 ] || run python3 -c "
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
 s = CaptureSettings(model='$MODEL', engine='sglang', max_new_tokens=256, batch_size=512, concurrency=256,
                     sglang_args=['--attention-backend', 'triton', '--sampling-backend', 'pytorch',
                                  '--mem-fraction-static', '0.3'])
 folder, rep = capture_answers('/tmp/gpu/calib.jsonl', s, '/tmp/calib')
 print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
-  calib=$!
+  [ "${CAPTURE_CALIB:-1}" = 0 ] || calib=$!
   if [ "$STORE" = bf16 ]; then run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial; fi
   if [ "$STORE" = fp8 ] || [ "${FP8:-0}" = 1 ]; then
     run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
   fi
-  wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
-  tail -3 "$W/calib.log"
-  cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
+  if [ -n "$calib" ]; then
+    wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
+    tail -3 "$W/calib.log"
+  fi
+  cp "$W/calib.log" "$R/" 2>/dev/null || true; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
   # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token sequences
   # (carried into a fresh extraction folder they are replayed, not generated) to compare its features with SGLang's
   (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
