@@ -71,6 +71,7 @@ def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
                                      "source": ps.source}))
     if not lines:
         raise ValueError("no prompts to write: every prompt set is empty")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # `bench offline --out NEW_FOLDER` starts here
     return atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode())
 
 

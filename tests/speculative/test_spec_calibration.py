@@ -29,6 +29,9 @@ def test_prompt_source_round_trip(tmp_path):
     assert C.read_prompt_source(path) == {"mt-bench": "test", "humaneval": "test"}
     with pytest.raises(ValueError, match="empty"):
         C.write_prompt_source(tmp_path / "none.jsonl", [PromptSet(name="x", source="s", prompts=[])])
+    # a work folder that does not exist yet (`eaglenest bench offline --prompt-set mt-bench --out NEW`)
+    fresh = C.write_prompt_source(tmp_path / "new" / "calib" / "prompts.jsonl", prompt_sets())
+    assert fresh.read_text() == path.read_text()
 
 
 @pytest.mark.slow  # regeneration on the embedded engine: ~1-3 min on a shared 2-core machine
