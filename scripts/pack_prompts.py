@@ -6,8 +6,10 @@ For hosts without the registry (the GPU machine) or to pin an exact sample set:
         --exclude-prompt-set mt-bench --exclude-prompt-set humaneval --exclude-prompt-set sharegpt
 
 Records are read with eaglenest.data (bad records reported and skipped), cut to their first
-``--max-turns`` assistant turns, rendered with the target's chat template and kept only when the whole
-conversation fits ``--max-tokens`` (nothing is truncated mid-turn). A conversation with any user message of an
+``--max-turns`` assistant turns and rendered with the target's chat template. A conversation longer than
+``--max-tokens`` keeps its longest prefix of whole turns that fits (``--long cut``, the default: every
+complete conversation whose first turn fits is used) or is dropped (``--long drop``, how the packs before
+2026-12-01f were made); nothing is truncated mid-turn. A conversation with any user message of an
 ``--exclude-prompt-set`` (the sets accept length is reported on; sharegpt = its 200 held-out prompts) is dropped
 and counted, so training data never holds an evaluation prompt. Output records are
 ``{"id", "messages"}``; the extraction's ``source`` accepts the file as it is (compression inferred).
@@ -19,8 +21,7 @@ import argparse
 import json
 import time
 
-from eaglenest.data import ChatEncoder, read_records
-from eaglenest.data.chat import truncate_turns
+from eaglenest.data import ChatEncoder, fit_turns, read_records, truncate_turns
 from eaglenest.data.sources import write_jsonl
 from eaglenest.models import resolve_model
 from eaglenest.speculative.prompts import PROMPT_SETS, user_texts
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=10_000)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--max-turns", type=int, default=2)
+    ap.add_argument("--long", choices=("cut", "drop"), default="cut",
+                    help="a conversation over --max-tokens: keep the whole turns that fit, or drop it")
     ap.add_argument("--exclude-prompt-set", action="append", default=[], choices=PROMPT_SETS,
                     help="drop conversations holding a user message of this evaluation set (repeatable)")
     a = ap.parse_args()
@@ -41,7 +44,7 @@ def main() -> None:
     enc = ChatEncoder(resolve_model(a.model))
     src = read_records(a.source)
     excluded_texts = user_texts(a.exclude_prompt_set)
-    kept, too_long, excluded, tokens = [], 0, 0, 0
+    kept, too_long, cut, excluded, tokens = [], 0, 0, 0, 0
     for rec in src.records:
         if any(m.role == "user" and m.content.strip() in excluded_texts for m in rec.messages):
             excluded += 1
@@ -49,17 +52,19 @@ def main() -> None:
         rec = truncate_turns(rec, a.max_turns)
         if not any(m.role == "assistant" for m in rec.messages):
             continue
-        ids, _ = enc.encode(rec.messages)
-        if len(ids) > a.max_tokens:
+        fit = fit_turns(rec, enc, a.max_tokens if a.long == "cut" else 10**9)
+        if fit is None or fit[1] > a.max_tokens:
             too_long += 1
             continue
+        cut += len(fit[0].messages) < len(rec.messages)
+        rec, n = fit
         kept.append({"id": rec.id, "messages": [{"role": m.role, "content": m.content} for m in rec.messages]})
-        tokens += len(ids)
+        tokens += n
         if len(kept) == a.count:
             break
     data = write_jsonl(a.out, kept)
     print(json.dumps({"kept": len(kept), "tokens": tokens, "mean_tokens": round(tokens / max(len(kept), 1), 1),
-                      "too_long": too_long, "excluded_eval_prompts": excluded,
+                      "too_long": too_long, "cut_to_fit": cut, "excluded_eval_prompts": excluded,
                       "excluded_sets": a.exclude_prompt_set, "bad_records": len(src.bad), "bytes": len(data),
                       "seconds": round(time.perf_counter() - t0, 1)}))
     if len(kept) < a.count:

@@ -9,7 +9,15 @@
 Nothing here talks HTTP or imports Prefect.
 """
 
-from eaglenest.data.chat import ChatEncoder, SampleError, Skipped, build_sample, build_samples, truncate_turns
+from eaglenest.data.chat import (
+    ChatEncoder,
+    SampleError,
+    Skipped,
+    build_sample,
+    build_samples,
+    fit_turns,
+    truncate_turns,
+)
 from eaglenest.data.samples import Sample, batch_digest, read_samples, write_samples
 from eaglenest.data.sources import (
     BUILTIN_SHAREGPT,
@@ -24,6 +32,6 @@ from eaglenest.data.sources import (
 
 __all__ = [
     "BUILTIN_SHAREGPT", "BadRecord", "ChatEncoder", "Message", "Record", "Sample", "SampleError", "Skipped",
-    "SourceError", "SourceReport", "batch_digest", "build_sample", "build_samples", "read_records",
+    "SourceError", "SourceReport", "batch_digest", "build_sample", "build_samples", "fit_turns", "read_records",
     "read_samples", "source_fingerprint", "truncate_turns", "write_samples",
 ]

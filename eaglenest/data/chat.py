@@ -122,6 +122,19 @@ def truncate_turns(record: Record, max_turns: int | None) -> Record:
     return record
 
 
+def fit_turns(record: Record, encoder: ChatEncoder, max_tokens: int) -> tuple[Record, int] | None:
+    """The longest prefix of whole assistant turns that renders within ``max_tokens``, with its token count;
+    None when not even the first turn fits (or the record has no assistant turn). A conversation too long as
+    a whole keeps its first turns instead of being dropped."""
+    turns = sum(m.role == "assistant" for m in record.messages)
+    for n in range(turns, 0, -1):
+        cut = truncate_turns(record, n)
+        ids, _ = encoder.encode(cut.messages)
+        if len(ids) <= max_tokens:
+            return cut, len(ids)
+    return None
+
+
 def build_sample(record: Record, encoder: ChatEncoder, *, max_tokens: int, regenerate: bool = False) -> Sample:
     """One record -> Sample, or SampleError (kind too_long / no_assistant / template).
 

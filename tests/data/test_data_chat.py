@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eaglenest.data import ChatEncoder, Message, Record, Sample, build_samples, read_samples, write_samples
-from eaglenest.data.chat import SampleError, truncate_turns
+from eaglenest.data.chat import SampleError, fit_turns, truncate_turns
 
 # SmolLM2-135M-Instruct's template: injects a default system prompt when the first message is not one.
 SMOLLM2_TEMPLATE = (
@@ -94,3 +94,13 @@ def test_truncate_turns_and_samples_file_roundtrip(smol_encoder, tmp_path):
         assert np.array_equal(a.input_ids, b.input_ids) and a.digest() == b.digest()
     with pytest.raises(ValueError, match="not sorted"):
         Sample(sample_id="z", input_ids=[1, 2, 3], loss_spans=((2, 3), (0, 1)))
+
+
+def test_fit_turns_keeps_the_whole_turns_that_fit(smol_encoder):
+    rec = Record("m", conv("a " * 50, "b " * 50, "c " * 50, "d " * 50), 0)
+    one, two = (len(smol_encoder.encode(truncate_turns(rec, n).messages)[0]) for n in (1, 2))
+    assert fit_turns(rec, smol_encoder, two)[0].messages == rec.messages and fit_turns(rec, smol_encoder, two)[1] == two
+    cut, n = fit_turns(rec, smol_encoder, two - 1)  # one token short of both turns: the first turn only
+    assert [m.content for m in cut.messages] == ["a " * 50, "b " * 50] and n == one
+    assert fit_turns(rec, smol_encoder, one - 1) is None  # not even the first turn
+    assert fit_turns(Record("p", [Message("user", "hi")], 1), smol_encoder, 10_000) is None  # no assistant turn
