@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device session on the H200 as four back-to-back `run` calls (the machine keeps /tmp while warm):
 #
-#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 [.gpu-logs] (64 MiB a
-#                                                                 call): unpack the SGLang kit; the first GGUF half;
-#                                                                 an earlier session's answers
+#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1, and with .device/bin
+#          .gpu-logs (64 MiB a call): unpack the SGLang kit; the first GGUF half; an earlier session's answers and
+#          the prompt packs that do not fit the data call
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
 #   train  carry .device/bin                                     drafters on both stores at once (gpu_sweep),
@@ -57,14 +57,17 @@ run() {  # log the exact command line, then run it
 case "$STEP" in
 setup)
   mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
-  # the target's answers of an earlier session (.gpu-logs/regen-logs-TAG.tar.xz.part*) travel with the second setup
-  # call, beside gguf1: the data call's 64 MiB are taken by gguf2 and the prompt pack
-  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp .gpu-logs/regen-logs-* /tmp/gpu-logs/ && ls -la /tmp/gpu-logs; fi
+  # what the data call has no room for (its 64 MiB are taken by gguf2 and .gpu) travels in .gpu-logs with a setup
+  # call: the target's answers of an earlier session (regen-logs-TAG.tar.xz.part*) and prompt packs (*.jsonl.xz,
+  # found by SOURCE like those of .gpu)
+  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp .gpu-logs/* /tmp/gpu-logs/ && ls -la /tmp/gpu-logs; fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
-  cp .device/gguf2/smol.part01 /tmp/smol/ && rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
+  [ -f "$MODEL/config.json" ] || cp .device/gguf2/smol.part01 /tmp/smol/  # a second data call needs no gguf2
+  rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
+  src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
   tag="$(basename "${SOURCE:-train-1t.jsonl.xz}" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
