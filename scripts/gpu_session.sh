@@ -28,7 +28,7 @@
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
-# (bf16; the first on every prompt set), NUM_PROMPTS (80), STEPS (3), CALIB (0). Timings seen on the H200: setup
+# (bf16; the first on every prompt set), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
@@ -45,6 +45,7 @@ source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
 SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
 MODEL=/tmp/smol/model
+NUM_PROMPTS=${NUM_PROMPTS:-40}  # prompts per set: decoded live by bench, the same ones captured for the offline side
 STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise), or
 # `extraction`: no store, training reads the extraction folder in place (all the disk goes to shards: ~13M tokens)
 TRAIN_DATA=/tmp/store-$STORE; [ "$STORE" != extraction ] || TRAIN_DATA=/tmp/ext/regen
@@ -133,12 +134,22 @@ json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sc
   [ "${PROFILE:-0}" != 1 ] || python3 scripts/profile_gaps.py --dmon "$R/dmon.txt" --prof "$R/prof" > "$R/gaps.json" || true
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   # (CAPTURE_CALIB=0: none, for a call that only measures the extraction)
+  # the first NUM_PROMPTS of each set: exactly the prompts the bench step decodes live (same files, same order)
   calib=; [ "${CAPTURE_CALIB:-1}" = 0 ] || run python3 -c "
+import json
+from collections import Counter
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
+seen, keep = Counter(), []
+for line in open('/tmp/gpu/calib.jsonl'):
+    row = json.loads(line)
+    seen[row['prompt_set']] += 1
+    if seen[row['prompt_set']] <= $NUM_PROMPTS:
+        keep.append(line)
+open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)
 s = CaptureSettings(model='$MODEL', engine='sglang', max_new_tokens=256, batch_size=512, concurrency=256,
                     sglang_args=['--attention-backend', 'triton', '--sampling-backend', 'pytorch',
                                  '--mem-fraction-static', '0.3'])
-folder, rep = capture_answers('/tmp/gpu/calib.jsonl', s, '/tmp/calib')
+folder, rep = capture_answers('/tmp/gpu/calib-first.jsonl', s, '/tmp/calib')
 print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
   [ "${CAPTURE_CALIB:-1}" = 0 ] || calib=$!
   if [ "$STORE" = bf16 ]; then run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial; fi
@@ -198,14 +209,14 @@ bench)
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
     mkdir -p "$R/grid-$name" "$R/calib-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
-      --prompts "$sets" --num-prompts "${NUM_PROMPTS:-80}" --concurrency 1,16 --steps "${STEPS:-3}" \
+      --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency 1,16 --steps "${STEPS:-3}" \
       --max-new-tokens 256 "${base[@]}" || echo "grid $name exited $?" >&2
     cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
     if [ "${CALIB:-0}" = 1 ]; then
       run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "$draft" \
-        --prompts /tmp/gpu/calib.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
+        --prompts /tmp/gpu/calib-first.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
         || echo "calibration $name exited $?" >&2
     fi
   done
