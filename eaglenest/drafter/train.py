@@ -54,6 +54,7 @@ from eaglenest.drafter.train_state import (
     lr_factor,
     open_eval_sets,
     schedule_steps,
+    starting_drafter,
     store_fingerprint,
 )
 from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
@@ -104,19 +105,6 @@ def _build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: i
         dist.broadcast(comm, src=0)
         ids = comm.cpu()
     return vocab or DraftVocab(ids, vocab_size)
-
-
-def _starting_drafter(config: TrainConfig, target_dir: Path, provenance) -> dict[str, torch.Tensor]:
-    """The weights of ``config.init_from`` (an export checked against the target and the store's capture)."""
-    from eaglenest.drafter.export import load_drafter
-
-    loaded = load_drafter(config.init_from, target_dir=target_dir, provenance=provenance)
-    size = loaded.model.config.draft_vocab_size
-    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
-        raise contract.ContractError(
-            f"init_from {config.init_from} has a draft vocabulary of {size} tokens, the config asks for "
-            f"{config.draft_vocab_size}: leave draft_vocab_size unset (the drafter's own is kept) or start afresh")
-    return loaded.model.state_dict()
 
 
 def _comm_device(device: torch.device) -> torch.device:
@@ -201,7 +189,7 @@ class Trainer:
             check_resume(checkpoint.state, config, fingerprint, tt.config, world=d.world)
             vocab = DraftVocab.from_d2t(checkpoint.model["d2t"], int(tt.config["vocab_size"]))
         elif config.init_from is not None:
-            start = _starting_drafter(config, target_dir, store.provenance)
+            start = starting_drafter(config, target_dir, store.provenance)
             vocab = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
         else:
             vocab = _build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)

@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eaglenest import contract
 from eaglenest import models as model_lib
@@ -21,6 +22,9 @@ from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
 from eaglenest.store.extraction import open_samples as open_store
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NonFiniteLoss(RuntimeError):
@@ -171,3 +175,16 @@ def check_resume(state: dict, config: TrainConfig, fingerprint: str, target_conf
     if state["target"].get("vocab_size") != target_config.get("vocab_size") or \
             state["target"].get("hidden_size") != target_config.get("hidden_size"):
         raise ResumeRefused("resume refused: the target model's vocab_size/hidden_size differ from the checkpoint's")
+
+
+def starting_drafter(config: TrainConfig, target_dir: Path, provenance: contract.Provenance) -> dict[str, torch.Tensor]:
+    """The weights of ``config.init_from`` (an export checked against the target and the store's capture)."""
+    from eaglenest.drafter.export import load_drafter
+
+    loaded = load_drafter(config.init_from, target_dir=target_dir, provenance=provenance)
+    size = loaded.model.config.draft_vocab_size
+    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
+        raise contract.ContractError(
+            f"init_from {config.init_from} has a draft vocabulary of {size} tokens, the config asks for "
+            f"{config.draft_vocab_size}: leave draft_vocab_size unset (the drafter's own is kept) or start afresh")
+    return loaded.model.state_dict()
