@@ -28,6 +28,8 @@ app.add_typer(extract_app, name="extract")
 app.add_typer(store_app, name="store")
 app.add_typer(train_app)  # eaglenest train | export
 app.add_typer(bench_app, name="bench")  # eaglenest bench live | cpu | offline | prompts | plot | serve
+prompts_app = typer.Typer(no_args_is_help=True, help="Prompt sources for training data.")
+app.add_typer(prompts_app, name="prompts")
 
 
 @app.callback()
@@ -156,3 +158,47 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         errors.debug_requested([])  # --debug holds for this command line only
     return 0
+
+
+@prompts_app.command("self")
+@errors.one_line
+def prompts_self(
+    out: Annotated[Path, typer.Option(help="JSONL file to write (.xz: compressed), a source for `eaglenest extract`")],
+    count: Annotated[int, typer.Option(help="user prompts to ask the target for")] = 1000,
+    model: Annotated[str, typer.Option(help="'default' (SmolLM2-135M-Instruct) or a local HF folder")] = "default",
+    server_url: Annotated[list[str] | None, typer.Option(
+        help="running server(s) of the target (repeatable); none: one embedded server is launched")] = None,
+    seed: Annotated[int, typer.Option(help="base seed (prompt i has its own)")] = 0,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (> 0)")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling")] = 0.95,
+    max_new_tokens: Annotated[int, typer.Option(help="a longer prompt is cut and left out")] = 256,
+    concurrency: Annotated[int, typer.Option(help="requests in flight per server")] = 64,
+    exclude_prompt_set: Annotated[list[str] | None, typer.Option(
+        help="leave out prompts equal to a user turn of this evaluation set (repeatable)")] = None,
+) -> None:
+    """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
+    needs no dataset. The regeneration recipe then lets it answer them."""
+    import contextlib
+    import json
+    import tempfile
+
+    from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
+    from eaglenest.extraction.client import ClientConfig
+    from eaglenest.extraction.self_prompts import SelfPromptConfig, self_prompts
+    from eaglenest.models import resolve_model
+    from eaglenest.speculative.prompts import user_texts
+
+    model_dir = resolve_model(model)
+    cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,
+                           max_new_tokens=max_new_tokens)
+    exclude = user_texts(exclude_prompt_set or [])
+    with contextlib.ExitStack() as stack:
+        urls = list(server_url or [])
+        if not urls:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            port = free_port()
+            cmd = embedded_command(model=str(model_dir), port=port, capture_dir=None)
+            urls = [stack.enter_context(launched(local_server(cmd, port=port, log_path=logs / "server.log"))).url]
+        report = self_prompts(urls, model_dir, cfg, out, exclude=exclude,
+                              client=ClientConfig(concurrency=concurrency))
+    typer.echo(json.dumps(report, indent=1))

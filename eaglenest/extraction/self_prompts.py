@@ -1,0 +1,114 @@
+"""Self-prompting: the target writes the user prompts as well as the answers (Magpie-style).
+
+An instruct model fed only its chat template up to the start of a user turn (system prompt included, as
+the template renders it) continues with a user request of its own, drawn from the distribution of requests
+it was tuned on. Sampling many of them (temperature > 0, a seed per prompt) gives prompts no dataset is
+needed for; the regeneration recipe then lets the target answer them, so the whole sample is the target's
+own text. Measured with SmolLM2-135M-Instruct: advice, recipes, writing and planning requests, mostly one
+or two sentences.
+
+:func:`self_prompts` asks running capture servers (``POST /generate`` with ``nocapture:`` rids: nothing is
+captured) for ``count`` user turns and keeps those that ended on their own (an end-of-turn, not
+``max_new_tokens``), are at least ``min_chars`` long, are not a duplicate and are not a user turn of an
+evaluation prompt set; every other one is counted by its reason. Records are ``{"id": "self-<seed>-<i>",
+"messages": [user]}``, a source the extraction reads as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eaglenest.contract import NO_CAPTURE_RID_PREFIX
+from eaglenest.data.chat import ChatEncoder, SampleError
+from eaglenest.data.sources import Message, write_jsonl
+from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Job
+
+_MARK = "\u2063eaglenest-user-turn\u2063"
+"""Stands in for the user's text while the template is rendered; no template holds it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SelfPromptConfig:
+    count: int
+    """User prompts asked for (fewer are kept: see the report's skip counts)."""
+    seed: int = 0
+    """Base seed; prompt i is sampled with a seed of its own, so a re-run asks for the same prompts."""
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_new_tokens: int = 256
+    min_chars: int = 16
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.max_new_tokens < 1 or self.min_chars < 0:
+            raise ValueError("count and max_new_tokens must be >= 1, min_chars >= 0")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0: greedy decoding writes the same prompt every time")
+
+
+def user_turn_prefix(encoder: ChatEncoder) -> list[int]:
+    """Token ids of the template up to where a first user message's text starts."""
+    text = encoder.render([Message("user", _MARK)])
+    if text.count(_MARK) != 1:
+        raise SampleError("the chat template does not render the user's text once; cannot self-prompt")
+    return encoder.tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]
+
+
+def prompt_jobs(prefix: list[int], config: SelfPromptConfig) -> list[Job]:
+    jobs = []
+    for i in range(config.count):
+        rid = f"{NO_CAPTURE_RID_PREFIX}self:{config.seed}:{i}"
+        sp = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p,
+              "sampling_seed": config.seed * 1_000_003 + i}
+        jobs.append(Job(rid, {"input_ids": prefix, "rid": rid, "sampling_params": sp}, payload=i))
+    return jobs
+
+
+def keep_prompts(answers: list[tuple[int, dict[str, Any]]], config: SelfPromptConfig, *,
+                 exclude: set[str] = frozenset()) -> tuple[list[dict], Counter]:
+    """(records in prompt order, skip counts by reason) from (prompt index, answer body) pairs."""
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    records = []
+    for i, body in sorted(answers, key=lambda a: a[0]):
+        meta = body.get("meta_info") or {}
+        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+        text = str(body.get("text") or "").strip()
+        key = " ".join(text.lower().split())
+        if not isinstance(finish, dict) or finish.get("type") != "stop":
+            skipped["cut"] += 1  # ran into max_new_tokens (or was aborted): not a finished request
+        elif len(text) < config.min_chars:
+            skipped["too_short"] += 1
+        elif text in exclude:
+            skipped["eval_prompt"] += 1
+        elif key in seen:
+            skipped["duplicate"] += 1
+        else:
+            seen.add(key)
+            records.append({"id": f"self-{config.seed}-{i}", "messages": [{"role": "user", "content": text}]})
+    return records, skipped
+
+
+def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfPromptConfig, out: str | Path, *,
+                 exclude: set[str] = frozenset(), client: ClientConfig | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
+    """Ask the servers for ``config.count`` user prompts; write the kept ones to ``out`` (JSONL, .xz
+    compressed by name); returns the report (kept, skipped by reason, failed requests, tokens)."""
+    encoder = ChatEncoder(model_dir)
+    prefix = user_turn_prefix(encoder)
+    engine = EngineClient(server_urls, config=client or ClientConfig(concurrency=64), transport=transport)
+    outcomes = asyncio.run(engine.run(prompt_jobs(prefix, config)))
+    answers = [(o.payload, o.body) for o in outcomes if isinstance(o, Answer)]
+    failed = Counter(o.reason for o in outcomes if not isinstance(o, Answer))
+    records, skipped = keep_prompts(answers, config, exclude=exclude)
+    if not records:
+        raise RuntimeError(f"no prompt was kept of {config.count} (skipped {dict(skipped)}, failed {dict(failed)})")
+    write_jsonl(out, records)
+    generated = sum(len(b.get("output_ids") or []) for _, b in answers)
+    return {"asked": config.count, "kept": len(records), "skipped": dict(skipped), "failed": dict(failed),
+            "generated_tokens": generated, "requests": engine.stats.requests, "out": str(out)}
