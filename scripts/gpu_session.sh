@@ -6,6 +6,7 @@
 #          the prompt packs that do not fit the data call
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
+#   prompts carry .device/bin .device/gguf2 .gpu                the target writes user prompts (SELF_COUNT, 20000)
 #   train  carry .device/bin                                     drafters on both stores at once (gpu_sweep),
 #                                                                 eval sets = the calibration capture; export
 #   bench  carry .device/bin .gpu                                live grid (baseline vs EAGLE3, 3 prompt sets,
@@ -34,7 +35,7 @@
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
 # after a call returns (then setup, the model and the store are gone): have the next call ready before.
 set -euo pipefail
-STEP=${1:?usage: gpu_session.sh setup|data|train|bench|specforge}
+STEP=${1:?usage: gpu_session.sh setup|prompts|data|train|bench|specforge}
 OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
@@ -166,6 +167,18 @@ print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log"
   (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
   du -sb /tmp/ext/regen /tmp/store-bf16 /tmp/store-fp8 2>/dev/null | tee "$R/sizes.txt" || true  # no fp8 store: not an error
   for v in bf16 fp8; do python3 -m eaglenest store info "/tmp/store-$v" > "$R/store-$v.txt" 2>&1 || true; done
+  ;;
+prompts)
+  # the target writes user prompts itself (`eaglenest prompts self` on a plain SGLang server: no capture), SELF_COUNT
+  # of them, to /tmp/gpu-logs/self.jsonl.xz (SOURCE=self.jsonl.xz for data; `cat` it after another .jsonl.xz to mix
+  # them) and to $OUT; evaluation prompts are left out by .gpu/eval-user-texts.json (the sets' packages are not here)
+  [ -f "$MODEL/config.json" ] || { cp .device/gguf2/smol.part01 /tmp/smol/ && run python3 scripts/gpu_run.py \
+    --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01; }
+  mkdir -p /tmp/gpu-logs
+  run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" \
+    --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \
+    --sglang-arg=--mem-fraction-static --sglang-arg=0.5 > "$R/self-prompts.json"
+  cat "$R/self-prompts.json"; cp /tmp/gpu-logs/self.jsonl.xz "$OUT/"
   ;;
 train)
   grid=${GRID:-$W/grid.json}

@@ -167,7 +167,9 @@ def prompts_self(
     count: Annotated[int, typer.Option(help="user prompts to ask the target for")] = 1000,
     model: Annotated[str, typer.Option(help="'default' (SmolLM2-135M-Instruct) or a local HF folder")] = "default",
     server_url: Annotated[list[str] | None, typer.Option(
-        help="running server(s) of the target (repeatable); none: one embedded server is launched")] = None,
+        help="running server(s) of the target (repeatable); none: one server of --engine is launched")] = None,
+    engine: Annotated[Engine, typer.Option(help="the server launched when no --server-url is given")] = Engine.embedded,
+    sglang_arg: Annotated[list[str] | None, typer.Option(help="extra argument of a launched SGLang server")] = None,
     seed: Annotated[int, typer.Option(help="base seed (prompt i has its own)")] = 0,
     temperature: Annotated[float, typer.Option(help="sampling temperature (> 0)")] = 1.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling")] = 0.95,
@@ -175,6 +177,8 @@ def prompts_self(
     concurrency: Annotated[int, typer.Option(help="requests in flight per server")] = 64,
     exclude_prompt_set: Annotated[list[str] | None, typer.Option(
         help="leave out prompts equal to a user turn of this evaluation set (repeatable)")] = None,
+    exclude_file: Annotated[Path | None, typer.Option(
+        help="the same from a JSON list of user texts (machines without the evaluation sets' packages)")] = None,
 ) -> None:
     """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
     needs no dataset. The regeneration recipe then lets it answer them."""
@@ -189,16 +193,33 @@ def prompts_self(
     from eaglenest.speculative.prompts import user_texts
 
     model_dir = resolve_model(model)
-    cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,
-                           max_new_tokens=max_new_tokens)
+    try:
+        cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens)
+    except ValueError as e:
+        raise errors.UsageError(str(e)) from None
     exclude = user_texts(exclude_prompt_set or [])
+    if exclude_file is not None:
+        texts = json.loads(exclude_file.read_text())
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise errors.UsageError(f"--exclude-file {exclude_file}: expected a JSON list of strings")
+        exclude |= {t.strip() for t in texts}
     with contextlib.ExitStack() as stack:
         urls = list(server_url or [])
         if not urls:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            port = free_port()
-            cmd = embedded_command(model=str(model_dir), port=port, capture_dir=None)
-            urls = [stack.enter_context(launched(local_server(cmd, port=port, log_path=logs / "server.log"))).url]
+            port, env = free_port(), {}
+            if engine == Engine.sglang:  # no capture: these requests only generate
+                from eaglenest.engines import sglang_launcher
+                from eaglenest.engines.sglang_flags import sglang_decode_batch_flags
+
+                args = sglang_decode_batch_flags(list(sglang_arg or []), concurrency=concurrency, admit=0)
+                cmd, env = sglang_launcher.build_command(model_dir=model_dir, capture_dir=None, port=port,
+                                                         sglang_args=args)
+            else:
+                cmd = embedded_command(model=str(model_dir), port=port, capture_dir=None)
+            server = local_server(cmd, port=port, log_path=logs / "server.log", env=env)
+            urls = [stack.enter_context(launched(server, timeout_s=900.0)).url]
         report = self_prompts(urls, model_dir, cfg, out, exclude=exclude,
                               client=ClientConfig(concurrency=concurrency))
     typer.echo(json.dumps(report, indent=1))

@@ -20,6 +20,8 @@ CASES = {
                             "'nosuch' is not a TrainConfig field"),
     "missing store": (["train", "--store", "{tmp}/no-store", "--out", "{tmp}/t"], "no committed store"),
     "export into an existing folder": (["export", "{tmp}/run", "{tmp}"], "exists; pass overwrite"),
+    "greedy self-prompting": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--temperature", "0"],
+                              "temperature must be > 0"),
 }
 
 
@@ -32,6 +34,16 @@ def test_user_mistake_is_one_line_and_exit_2(case, tiny_model_dir, tmp_path, cap
     lines = [ln for ln in err.splitlines() if ln.startswith("eaglenest: error:")]
     assert len(lines) == 1 and expected in lines[0], err
     assert "Traceback" not in err
+
+
+def test_self_prompts_exclude_file_of_another_shape(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "texts.json"
+    bad.write_text('{"mt-bench": ["a question"]}')
+    args = ["prompts", "self", "--out", str(tmp_path / "p.jsonl"), "--model", str(tiny_model_dir),
+            "--exclude-file", str(bad)]
+    assert main(args) == 2
+    assert f"--exclude-file {bad}: expected a JSON list of strings" in capsys.readouterr().err
+    assert not (tmp_path / "p.jsonl").exists()  # refused before any server was launched
 
 
 def test_debug_keeps_the_traceback(tmp_path):
