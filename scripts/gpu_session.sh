@@ -26,7 +26,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
@@ -45,6 +45,7 @@ trap 'cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "
 source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
 SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
+for a in ${SGL_EXTRA:-}; do SGL+=("--sglang-arg=$a"); done  # SGL_EXTRA: more SGLang flags, space-separated
 MODEL=/tmp/smol/model
 NUM_PROMPTS=${NUM_PROMPTS:-40}  # prompts per set: decoded live by bench, the same ones captured for the offline side
 STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise), or
@@ -107,7 +108,7 @@ data)
       --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
-      --sglang-arg=8192 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; kill "$guard" 2>/dev/null || true
+      "--sglang-arg=${CHUNKED_PREFILL:-8192}" 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; kill "$guard" 2>/dev/null || true
                                                                       [ -z "$dmon" ] || kill "$dmon"; return $rc; }
     kill "$guard" 2>/dev/null || true; [ -z "$dmon" ] || kill "$dmon"
   }
