@@ -48,6 +48,8 @@ SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--samplin
 for a in ${SGL_EXTRA:-}; do SGL+=("--sglang-arg=$a"); done  # SGL_EXTRA: more SGLang flags, space-separated
 MODEL=/tmp/smol/model
 NUM_PROMPTS=${NUM_PROMPTS:-40}  # prompts per set: decoded live by bench, the same ones captured for the offline side
+case "$NUM_PROMPTS" in ''|*[!0-9]*) echo "NUM_PROMPTS must be a whole number, got '$NUM_PROMPTS'" >&2; exit 2 ;; esac
+[ "$NUM_PROMPTS" -le 80 ] || { echo "NUM_PROMPTS $NUM_PROMPTS > 80: calib.jsonl holds 80 prompts per set" >&2; exit 2; }
 STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise), or
 # `extraction`: no store, training reads the extraction folder in place (all the disk goes to shards: ~13M tokens)
 TRAIN_DATA=/tmp/store-$STORE; [ "$STORE" != extraction ] || TRAIN_DATA=/tmp/ext/regen
@@ -97,8 +99,10 @@ data)
     # the store is written beside the shards (bf16: as many bytes again, fp8: half): when the free disk could not
     # hold it any more, the extraction is stopped like at the end of its budget (what is validated stays)
     ( while sleep 5; do
-        used=$(du -sb /tmp/ext/regen 2>/dev/null | cut -f1); free=$(df -B1 --output=avail /tmp | tail -1)
+        used=$(du -sb /tmp/ext/regen 2>/dev/null | cut -f1 || true); free=$(df -B1 --output=avail /tmp | tail -1)
+        # half-units of the shards' bytes the stores still need: bf16 2, fp8 1, both 3, none 0
         share=2; [ "$STORE" = fp8 ] && share=1; [ "$STORE" = extraction ] && share=0
+        [ "$STORE" = bf16 ] && [ "${FP8:-0}" = 1 ] && share=3
         need=$(( ${used:-0} * share / 2 + 4000000000 ))
         if [ "$free" -lt "$need" ]; then echo "disk: ${free} B free < ${need} B for the store; stopping the extraction" >&2
           pkill -TERM -f "^python3 -m eaglenest extract" || true; break; fi
@@ -137,7 +141,7 @@ json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sc
   # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
   # (CAPTURE_CALIB=0: none, for a call that only measures the extraction)
   # the first NUM_PROMPTS of each set: exactly the prompts the bench step decodes live (same files, same order)
-  calib=; [ "${CAPTURE_CALIB:-1}" = 0 ] || run python3 -c "
+  calib=; rm -f "$W/calib.log"; [ "${CAPTURE_CALIB:-1}" = 0 ] || run python3 -c "
 import json
 from collections import Counter
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
@@ -158,14 +162,14 @@ print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log"
   if [ "$STORE" = fp8 ] || [ "${FP8:-0}" = 1 ]; then
     run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
   fi
-  if [ -n "$calib" ]; then
+  if [ -n "$calib" ]; then  # (a call without one reports none: an earlier call's capture is not this call's)
     wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
     tail -3 "$W/calib.log"
+    cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
+    # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token
+    # sequences (carried into a fresh extraction folder they are replayed, not generated) to compare features
+    (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
   fi
-  cp "$W/calib.log" "$R/" 2>/dev/null || true; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
-  # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token sequences
-  # (carried into a fresh extraction folder they are replayed, not generated) to compare its features with SGLang's
-  (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
   du -sb /tmp/ext/regen /tmp/store-bf16 /tmp/store-fp8 2>/dev/null | tee "$R/sizes.txt" || true  # no fp8 store: not an error
   for v in bf16 fp8; do python3 -m eaglenest store info "/tmp/store-$v" > "$R/store-$v.txt" 2>&1 || true; done
   ;;
@@ -173,8 +177,11 @@ prompts)
   # the target writes user prompts itself (`eaglenest prompts self` on a plain SGLang server: no capture), SELF_COUNT
   # of them, to /tmp/gpu-logs/self.jsonl.xz (SOURCE=self.jsonl.xz for data; `cat` it after another .jsonl.xz to mix
   # them) and to $OUT; evaluation prompts are left out by .gpu/eval-user-texts.json (the sets' packages are not here)
-  [ -f "$MODEL/config.json" ] || { cp .device/gguf2/smol.part01 /tmp/smol/ && run python3 scripts/gpu_run.py \
-    --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01; }
+  if [ ! -f "$MODEL/config.json" ]; then
+    [ -f .device/gguf2/smol.part01 ] || { echo "no model yet: carry .device/gguf2 in this call" >&2; exit 2; }
+    cp .device/gguf2/smol.part01 /tmp/smol/
+    run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+  fi
   mkdir -p /tmp/gpu-logs
   run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" \
     --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \

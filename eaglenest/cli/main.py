@@ -181,7 +181,8 @@ def prompts_self(
         help="the same from a JSON list of user texts (machines without the evaluation sets' packages)")] = None,
 ) -> None:
     """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
-    needs no dataset. The regeneration recipe then lets it answer them."""
+    needs no dataset. The regeneration recipe then lets it answer them. Given --server-url, those servers must
+    serve --model (--engine and --sglang-arg apply only to a launched server)."""
     import contextlib
     import json
     import tempfile
@@ -200,7 +201,10 @@ def prompts_self(
         raise errors.UsageError(str(e)) from None
     exclude = user_texts(exclude_prompt_set or [])
     if exclude_file is not None:
-        texts = json.loads(exclude_file.read_text())
+        try:
+            texts = json.loads(exclude_file.read_text())
+        except json.JSONDecodeError as e:
+            raise errors.UsageError(f"--exclude-file {exclude_file}: not JSON ({e})") from None
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise errors.UsageError(f"--exclude-file {exclude_file}: expected a JSON list of strings")
         exclude |= {t.strip() for t in texts}

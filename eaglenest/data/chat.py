@@ -127,6 +127,11 @@ def fit_turns(record: Record, encoder: ChatEncoder, max_tokens: int) -> tuple[Re
     None when not even the first turn fits (or the record has no assistant turn). A conversation too long as
     a whole keeps its first turns instead of being dropped."""
     turns = sum(m.role == "assistant" for m in record.messages)
+    if turns == 0:
+        return None
+    ids, _ = encoder.encode(record.messages)  # as it is (a trailing unanswered user turn included)
+    if len(ids) <= max_tokens:
+        return record, len(ids)
     for n in range(turns, 0, -1):
         cut = truncate_turns(record, n)
         ids, _ = encoder.encode(cut.messages)

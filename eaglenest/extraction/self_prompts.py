@@ -38,7 +38,8 @@ class SelfPromptConfig:
     count: int
     """User prompts asked for (fewer are kept: see the report's skip counts)."""
     seed: int = 0
-    """Base seed; prompt i is sampled with a seed of its own, so a re-run asks for the same prompts."""
+    """Base seed; prompt i is sampled with a seed of its own, so a re-run asks for the same prompts (the embedded
+    engine honours it; SGLang 0.5.17 only with ``--enable-deterministic-inference``, else the prompts differ)."""
     temperature: float = 1.0
     top_p: float = 0.95
     max_new_tokens: int = 256
@@ -74,17 +75,18 @@ def keep_prompts(answers: list[tuple[int, dict[str, Any]]], config: SelfPromptCo
     """(records in prompt order, skip counts by reason) from (prompt index, answer body) pairs."""
     skipped: Counter = Counter()
     seen: set[str] = set()
+    evals = {_key(t) for t in exclude}
     records = []
     for i, body in sorted(answers, key=lambda a: a[0]):
         meta = body.get("meta_info") or {}
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
         text = str(body.get("text") or "").strip()
-        key = " ".join(text.lower().split())
+        key = _key(text)
         if not isinstance(finish, dict) or finish.get("type") != "stop":
             skipped["cut"] += 1  # ran into max_new_tokens (or was aborted): not a finished request
         elif len(text) < config.min_chars:
             skipped["too_short"] += 1
-        elif text in exclude:
+        elif key in evals:
             skipped["eval_prompt"] += 1
         elif key in seen:
             skipped["duplicate"] += 1
@@ -92,6 +94,11 @@ def keep_prompts(answers: list[tuple[int, dict[str, Any]]], config: SelfPromptCo
             seen.add(key)
             records.append({"id": f"self-{config.seed}-{i}", "messages": [{"role": "user", "content": text}]})
     return records, skipped
+
+
+def _key(text: str) -> str:
+    """What two prompts share when they differ only in case and spacing."""
+    return " ".join(text.lower().split())
 
 
 def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfPromptConfig, out: str | Path, *,

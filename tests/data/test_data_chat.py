@@ -104,3 +104,8 @@ def test_fit_turns_keeps_the_whole_turns_that_fit(smol_encoder):
     assert [m.content for m in cut.messages] == ["a " * 50, "b " * 50] and n == one
     assert fit_turns(rec, smol_encoder, one - 1) is None  # not even the first turn
     assert fit_turns(Record("p", [Message("user", "hi")], 1), smol_encoder, 10_000) is None  # no assistant turn
+    # a trailing unanswered user turn stays when the whole record fits (what --long drop measured before)
+    tail = Record("t", conv("a", "b", "c " * 30), 0)
+    whole = len(smol_encoder.encode(tail.messages)[0])
+    assert fit_turns(tail, smol_encoder, whole) == (tail, whole)
+    assert [m.content for m in fit_turns(tail, smol_encoder, whole - 1)[0].messages] == ["a", "b"]

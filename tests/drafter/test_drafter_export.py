@@ -16,6 +16,7 @@ from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.export import MANIFEST, export_drafter, load_drafter, read_trained
 from eaglenest.drafter.model import Eagle3Drafter, load_target_tensors
 from eaglenest.drafter.train import train
+from eaglenest.testing.fake_store import MemoryStore
 
 # the tensors of shared/device/sglang-0.5.17/bin/make_tiny_eagle3.py (verified to load in SGLang 0.5.17)
 SGLANG_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
@@ -130,6 +131,13 @@ def test_training_starts_from_an_exported_drafter(tmp_path, trained_run, tiny_mo
     fresh = Trainer.setup(cfg.model_copy(update={"init_from": None, "draft_vocab_size": 150,
                                                  "out_dir": str(tmp_path / "fresh")}), store=drafter_store)
     assert not torch.equal(fresh.drafter.state_dict()["fc.weight"], exported["fc.weight"])  # a real start point
+    # new data with a vocabulary of its own: the drafter's vocabulary is kept, not rebuilt from the new store
+    few = MemoryStore([drafter_store[i] for i in range(4)], drafter_store.provenance)
+    own = Trainer.setup(cfg.model_copy(update={"init_from": None, "draft_vocab_size": 150,
+                                               "out_dir": str(tmp_path / "own")}), store=few)
+    assert not torch.equal(own.vocab.d2t, exported["d2t"])
+    kept = Trainer.setup(cfg.model_copy(update={"out_dir": str(tmp_path / "kept")}), store=few)
+    assert torch.equal(kept.vocab.d2t, exported["d2t"]) and torch.equal(kept.drafter.d2t, exported["d2t"])
     result = train(cfg, store=drafter_store)
     assert result.status == "done" and result.step == 3 and read_trained(tmp_path / "more").training["step"] == 3
     with pytest.raises(ContractError, match="draft vocabulary of 150 tokens, the config asks for 100"):

@@ -47,7 +47,7 @@ def test_only_finished_new_long_enough_non_eval_prompts_are_kept():
     answers = [(6, body("Plan a trip to Rome for me.")), (0, body("How do I bake bread at home?")),
                (1, body("How do I bake  BREAD at home?")),  # the same prompt (case and spacing aside)
                (2, body("Write me a long story about", finish="length")), (3, body("Hi?")),
-               (4, body("What is the capital of France?")), (5, body("   "))]
+               (4, body("what is the  capital of France?")), (5, body("   "))]  # 4: an eval prompt, respaced
     records, skipped = keep_prompts(answers, cfg, exclude={"What is the capital of France?"})
     assert [r["id"] for r in records] == ["self-3-0", "self-3-6"]  # in prompt order
     assert records[0]["messages"] == [{"role": "user", "content": "How do I bake bread at home?"}]
