@@ -73,3 +73,18 @@ def test_pipeline_params_file_missing(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [f"flows.pipeline: error: --params {tmp_path / 'missing.json'}: no such "
                                              "file (give a PipelineParams JSON file, or the JSON itself)"]
+
+
+def test_prompts_self_launches_an_embedded_server_and_stops_it(tiny_model_dir, tmp_path, monkeypatch):
+    """No --server-url: one embedded server of --model is launched for the call (and ended); 3 prompts are asked,
+    none can end within 1 token, so nothing is kept and the error says why."""
+    from eaglenest.engines import pool
+
+    port = pool.free_port()
+    monkeypatch.setattr(pool, "free_port", lambda *a, **k: port)  # the port the command will launch on
+    out = tmp_path / "p.jsonl"
+    with pytest.raises(RuntimeError, match=r"no prompt was kept of 3 \(skipped \{'cut': 3\}, failed \{\}\)"):
+        main(["prompts", "self", "--out", str(out), "--model", str(tiny_model_dir), "--count", "3",
+              "--max-new-tokens", "1", "--concurrency", "3"])
+    assert not out.exists()
+    assert not pool.port_serving(f"http://127.0.0.1:{port}")  # the server was ended with the call
