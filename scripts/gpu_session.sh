@@ -29,7 +29,7 @@
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
-# (bf16; the first on every prompt set), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
+# (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
@@ -222,7 +222,18 @@ print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000
   ;;
 bench)
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
-  for name in ${DRAFTERS:-bf16}; do
+  drafters=${DRAFTERS:-bf16}
+  if [ "$drafters" = best ]; then  # the train step's drafter with the highest offline MT-Bench accept length @3
+    drafters=$(python3 -c "
+import glob, json, os
+def score(path):
+    ev = json.load(open(path)).get('eval_sets', {}).get('mt-bench', {})
+    return (ev.get('accept_length_cycles') or {}).get('3', 0.0)
+runs = sorted(glob.glob('/tmp/sweep/*/result.json'), key=score, reverse=True)
+print(os.path.basename(os.path.dirname(runs[0])) if runs else 'none')")
+    echo "best drafter by offline MT-Bench @3: $drafters" >&2
+  fi
+  for name in $drafters; do
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
     [ "$first" = 1 ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
