@@ -59,6 +59,13 @@ run() {  # log the exact command line, then run it
   "$@"
 }
 
+ensure_model() {  # the target from its two GGUF halves (setup brought the first), once per machine
+  [ ! -f "$MODEL/config.json" ] || return 0
+  [ -f .device/gguf2/smol.part01 ] || { echo "no model yet: carry .device/gguf2 in this call" >&2; exit 2; }
+  cp .device/gguf2/smol.part01 /tmp/smol/
+  run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+}
+
 case "$STEP" in
 setup)
   mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
@@ -70,12 +77,11 @@ setup)
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
-  [ -f "$MODEL/config.json" ] || cp .device/gguf2/smol.part01 /tmp/smol/  # a second data call needs no gguf2
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
   src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
-  tag="$(basename "${SOURCE:-train-1t.jsonl.xz}" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
+  tag="$(basename "$src" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
   # ANSWERS_FROM=TAG: the answers of a run with other turns or limit (e.g. train-mtx-t3-l15432 for MAX_TURNS=8): only
   # answers.jsonl is taken, so each turn it holds is replayed and the later turns are generated in their context
   from=${ANSWERS_FROM:-$tag}; only=(); [ "$from" = "$tag" ] || only=(answers.jsonl)
@@ -85,7 +91,7 @@ data)
         | tar -C /tmp/ext/regen -xJf - ${only[@]+"${only[@]}"} && ls -la /tmp/ext/regen
     fi
   done
-  [ -f "$MODEL/config.json" ] || run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+  ensure_model  # (a second data call needs no gguf2)
   # the extraction gets EXTRACT_S seconds (SIGTERM: it stops its servers; what is validated stays) so the stores
   # and the calibration capture still fit in the call; `data` again resumes it (the stores are then rebuilt,
   # reusing every data file already written)
@@ -98,17 +104,17 @@ data)
     fi
     # the store is written beside the shards (bf16: as many bytes again, fp8: half): when the free disk could not
     # hold it any more, the extraction is stopped like at the end of its budget (what is validated stays)
+    local share=2  # half-units of the shards' bytes the stores still need: bf16 2, fp8 1, both 3, none 0
+    [ "$STORE" = fp8 ] && share=1; [ "$STORE" = extraction ] && share=0
+    [ "$STORE" = bf16 ] && [ "${FP8:-0}" = 1 ] && share=3
     ( while sleep 5; do
         used=$(du -sb /tmp/ext/regen 2>/dev/null | cut -f1 || true); free=$(df -B1 --output=avail /tmp | tail -1)
-        # half-units of the shards' bytes the stores still need: bf16 2, fp8 1, both 3, none 0
-        share=2; [ "$STORE" = fp8 ] && share=1; [ "$STORE" = extraction ] && share=0
-        [ "$STORE" = bf16 ] && [ "${FP8:-0}" = 1 ] && share=3
         need=$(( ${used:-0} * share / 2 + 4000000000 ))
         if [ "$free" -lt "$need" ]; then echo "disk: ${free} B free < ${need} B for the store; stopping the extraction" >&2
           pkill -TERM -f "^python3 -m eaglenest extract" || true; break; fi
       done ) &
     local guard=$!
-    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/${SOURCE:-train-1t.jsonl.xz}" \
+    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/$src" \
       --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size 4096 --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
@@ -177,11 +183,7 @@ prompts)
   # the target writes user prompts itself (`eaglenest prompts self` on a plain SGLang server: no capture), SELF_COUNT
   # of them, to /tmp/gpu-logs/self.jsonl.xz (SOURCE=self.jsonl.xz for data; `cat` it after another .jsonl.xz to mix
   # them) and to $OUT; evaluation prompts are left out by .gpu/eval-user-texts.json (the sets' packages are not here)
-  if [ ! -f "$MODEL/config.json" ]; then
-    [ -f .device/gguf2/smol.part01 ] || { echo "no model yet: carry .device/gguf2 in this call" >&2; exit 2; }
-    cp .device/gguf2/smol.part01 /tmp/smol/
-    run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
-  fi
+  ensure_model
   mkdir -p /tmp/gpu-logs
   run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" \
     --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \

@@ -52,11 +52,11 @@ def main() -> None:
         rec = truncate_turns(rec, a.max_turns)
         if not any(m.role == "assistant" for m in rec.messages):
             continue
-        fit = fit_turns(rec, enc, a.max_tokens if a.long == "cut" else 10**9)
-        if fit is None or fit[1] > a.max_tokens:
+        fit = fit_turns(rec, enc, a.max_tokens)
+        if fit is None or (a.long == "drop" and fit[0] is not rec):  # drop: only a record that fits as it is
             too_long += 1
             continue
-        cut += len(fit[0].messages) < len(rec.messages)
+        cut += fit[0] is not rec
         rec, n = fit
         kept.append({"id": rec.id, "messages": [{"role": m.role, "content": m.content} for m in rec.messages]})
         tokens += n

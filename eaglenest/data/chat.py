@@ -134,6 +134,8 @@ def fit_turns(record: Record, encoder: ChatEncoder, max_tokens: int) -> tuple[Re
         return record, len(ids)
     for n in range(turns, 0, -1):
         cut = truncate_turns(record, n)
+        if len(cut.messages) == len(record.messages):
+            continue  # the record itself, measured above
         ids, _ = encoder.encode(cut.messages)
         if len(ids) <= max_tokens:
             return cut, len(ids)
