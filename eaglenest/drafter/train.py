@@ -47,18 +47,21 @@ from eaglenest.drafter.train_state import (
     NonFiniteLoss,
     ResumeRefused,
     TrainResult,
+    build_vocab,
     check_resume,
     check_store_target,
+    comm_device,
     describe_eval,
     finished_result,
     lr_factor,
     open_eval_sets,
+    resolve_device,
     schedule_steps,
     starting_drafter,
     store_fingerprint,
 )
 from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
-from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab
+from eaglenest.drafter.vocab import DraftVocab
 from eaglenest.store import split_indices
 from eaglenest.store.extraction import open_samples as open_store
 
@@ -79,37 +82,6 @@ class TTTObjective(nn.Module):
         results = ttt_forward(self.drafter, batch, rows, k)
         loss = sum(r.loss_sum * s for r, s in zip(results, scales, strict=True))
         return loss, results
-
-
-def _resolve(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and d.world > 1:
-        device = f"cuda:{d.local_rank}"
-    bf16 = config.precision == "bf16" or (
-        config.precision == "auto" and model_lib.auto_dtype(device.split(":")[0]) == "bfloat16")
-    return torch.device(device), bf16
-
-
-def _build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist) -> DraftVocab:
-    size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
-    if d.rank == 0:
-        vocab = build_draft_vocab(((store[i].input_ids, store[i].loss_mask) for i in train_idx),
-                                  vocab_size=vocab_size, size=size)
-        ids = vocab.target_ids
-    else:
-        ids, vocab = torch.zeros(size, dtype=torch.int64), None
-    if d.world > 1:
-        comm = ids.to(_comm_device(device))
-        dist.broadcast(comm, src=0)
-        ids = comm.cpu()
-    return vocab or DraftVocab(ids, vocab_size)
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    """Where collective tensors live: the GPU for nccl, the CPU for gloo."""
-    return device if device.type == "cuda" else torch.device("cpu")
 
 
 def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
@@ -169,7 +141,7 @@ class Trainer:
               callback=None, clock: Callable[[], float] = time.monotonic) -> Trainer:
         """Everything a step needs, from the config (and the latest checkpoint's vocabulary, if any)."""
         d = d or Dist()
-        device, bf16 = _resolve(config, d)
+        device, bf16 = resolve_device(config, d)
         t_start = clock()
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -192,7 +164,7 @@ class Trainer:
             start = starting_drafter(config, target_dir, store.provenance)
             vocab = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
         else:
-            vocab = _build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
+            vocab = build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
         dcfg = DrafterConfig.from_target(tt.config, aux_layer_ids=store.provenance.aux_layer_ids,
                                          draft_vocab_size=vocab.size)
         drafter = Eagle3Drafter(dcfg, embed_weight=tt.embed)
@@ -309,7 +281,7 @@ class Trainer:
         return event
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(_comm_device(self.device))
+        t = t.to(comm_device(self.device))
         dist.all_reduce(t)
         return t.cpu()
 
@@ -364,7 +336,7 @@ class Trainer:
     def out_of_time(self) -> bool:
         late = self.config.max_minutes is not None and (self.clock() - self.t_start) / 60.0 >= self.config.max_minutes
         if self.d.world > 1:
-            flag = torch.tensor(float(late), device=_comm_device(self.device))
+            flag = torch.tensor(float(late), device=comm_device(self.device))
             dist.broadcast(flag, src=0)
             late = bool(flag.cpu())
         return late

@@ -1,9 +1,10 @@
 """What a drafter training run is made of and checked against (no loop here: see :mod:`.train`).
 
-Owns the run's result record, its terminal errors, the distributed identity, the content checks a
-resume must pass (config drift, store fingerprint, target shape) and that the store/eval sets were
-captured from the target, the step-based schedule (total optimizer steps and the LR factor), and the
-one-line description of an evaluation.
+Owns the run's result record, its terminal errors, the distributed identity (device, precision, where
+collectives live), the content checks a resume must pass (config drift, store fingerprint, target shape)
+and that the store/eval sets were captured from the target, what a new run starts from (its draft
+vocabulary, or an exported drafter's weights), the step-based schedule (total optimizer steps and the LR
+factor), and the one-line description of an evaluation.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
 
 from eaglenest import contract
 from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
+from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab
 from eaglenest.store.extraction import open_samples as open_store
-
-if TYPE_CHECKING:
-    import torch
 
 
 class NonFiniteLoss(RuntimeError):
@@ -188,3 +189,36 @@ def starting_drafter(config: TrainConfig, target_dir: Path, provenance: contract
             f"init_from {config.init_from} has a draft vocabulary of {size} tokens, the config asks for "
             f"{config.draft_vocab_size}: leave draft_vocab_size unset (the drafter's own is kept) or start afresh")
     return loaded.model.state_dict()
+
+
+def resolve_device(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
+    """The run's device (a rank's own GPU under torchrun) and whether it computes in bf16."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and d.world > 1:
+        device = f"cuda:{d.local_rank}"
+    bf16 = config.precision == "bf16" or (
+        config.precision == "auto" and model_lib.auto_dtype(device.split(":")[0]) == "bfloat16")
+    return torch.device(device), bf16
+
+
+def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist) -> DraftVocab:
+    """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it)."""
+    size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
+    if d.rank == 0:
+        vocab = build_draft_vocab(((store[i].input_ids, store[i].loss_mask) for i in train_idx),
+                                  vocab_size=vocab_size, size=size)
+        ids = vocab.target_ids
+    else:
+        ids, vocab = torch.zeros(size, dtype=torch.int64), None
+    if d.world > 1:
+        comm = ids.to(comm_device(device))
+        dist.broadcast(comm, src=0)
+        ids = comm.cpu()
+    return vocab or DraftVocab(ids, vocab_size)
+
+
+def comm_device(device: torch.device) -> torch.device:
+    """Where collective tensors live: the GPU for nccl, the CPU for gloo."""
+    return device if device.type == "cuda" else torch.device("cpu")
