@@ -78,6 +78,8 @@ setup)
   ;;
 data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
+  # a pack or earlier answers come in .gpu-logs with a setup call, or with this one when there is room (no gguf2)
+  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp -f .gpu-logs/* /tmp/gpu-logs/; fi
   src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
