@@ -134,6 +134,12 @@ data)
     fi
   fi
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
+  # SGLang's own view of the extraction: its batch lines (running requests, tokens, throughput per window), its
+  # arguments and CUDA-graph capture, to tell a starved decode batch from a slow one
+  for f in /tmp/ext/regen/logs/server-*.log; do
+    [ -f "$f" ] || continue
+    { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph" "$f" || true; } | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
+  done
   # the answers come back (small next to the shards) so that the next session captures them without regenerating
   (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
     | split -b 15M - "$OUT/regen-logs-$tag.tar.xz.part" || true

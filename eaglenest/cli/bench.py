@@ -43,11 +43,15 @@ def serve(
                                                              "shape)")] = None,
     speculative_eagle_topk: Annotated[int, typer.Option(help="1 = chain, more = EAGLE-2 tree")] = 1,
     speculative_num_draft_tokens: Annotated[int | None, typer.Option(help="tokens verified, root counted")] = None,
+    speculative_shape: Annotated[str | None, typer.Option(help="the embedded decoder's shape by name instead of "
+                                                          "the three flags above: chain3, chain5p0.4 (stops below "
+                                                          "draft probability 0.4), tree4x4n12")] = None,
 ) -> None:
     """Embedded server for benchmarks: greedy requests decoded plainly or with EAGLE-3 (SGLang's flags)."""
     from eaglenest.engines.serving import serve as run
     from eaglenest.models import resolve_model
     from eaglenest.speculative.serve import SpecConfig, build_bench_engine
+    from eaglenest.speculative.tree import SpecShape
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
@@ -59,10 +63,19 @@ def serve(
                                  "or neither")
     if speculative_algorithm not in (None, "EAGLE3"):
         raise typer.BadParameter(f"--speculative-algorithm {speculative_algorithm}: only EAGLE3 is supported")
-    spec = None if speculative_num_steps is None else SpecConfig(
-        num_steps=speculative_num_steps, topk=speculative_eagle_topk, num_draft_tokens=speculative_num_draft_tokens)
-    engine = build_bench_engine(resolve_model(model), draft_dir=speculative_draft_model_path, spec=spec, dtype=dtype,
-                                onednn=onednn)
+    if speculative_shape is not None and speculative_num_steps is not None:
+        raise typer.BadParameter("give --speculative-shape or --speculative-num-steps, not both")
+    asked: SpecShape | None = None  # None: the measured best shape
+    try:
+        if speculative_shape:
+            asked = SpecShape.parse(speculative_shape)
+        elif speculative_num_steps is not None:
+            asked = SpecConfig(num_steps=speculative_num_steps, topk=speculative_eagle_topk,
+                               num_draft_tokens=speculative_num_draft_tokens).shape
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    engine = build_bench_engine(resolve_model(model), draft_dir=speculative_draft_model_path, shape=asked,
+                                dtype=dtype, onednn=onednn)
     shape = getattr(getattr(engine.greedy_decoder, "decoder", None), "shape", None)
     typer.echo(f"bench server: {engine.runner.model_dir} ({engine.runner.dtype_name}) "
                f"{f'EAGLE3 {speculative_draft_model_path} shape {shape.name}' if shape else 'plain'} "

@@ -106,6 +106,12 @@ class FastDrafter:
         return self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o")
 
 
+def _top_prob(logits: torch.Tensor) -> float:
+    """The softmax probability of the argmax of ``logits`` [Vd]."""
+    lf = logits.float()
+    return float(1.0 / torch.exp(lf - lf.max()).sum())
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox RoPE in fp32 (``apply_rope``'s math) on [S, heads, hd]."""
     half = x.shape[-1] // 2
@@ -180,13 +186,18 @@ class Eagle3Proposer:
         return self._tree(depth)
 
     def _chain(self, depth: int) -> DraftTree:
-        fd = self.fd
+        fd, stop = self.fd, self.shape.min_prob
         d = fd.to_target(self.last_logits.argmax().view(1))  # [1]
         drafts, h = [d], self.last_hidden
+        sure = _top_prob(self.last_logits) if stop else 1.0  # the chain's draft probability so far
         for i in range(depth - 1):
+            if sure < stop:  # the drafts after this one would rarely be reached: verify what there is
+                break
             h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
             d = fd.to_target(logits[0].argmax().view(1))
             drafts.append(d)
+            if stop:
+                sure *= _top_prob(logits[0])
         return DraftTree.chain(torch.cat(drafts).tolist())
 
     def _tree(self, depth: int) -> DraftTree:

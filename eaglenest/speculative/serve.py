@@ -131,8 +131,8 @@ def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, shape: Spe
 
 
 def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = None,
-                       spec: SpecConfig | None = None, dtype: str = "auto", onednn: str = "onednn"):
-    """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3 (``spec``
+                       shape: SpecShape | str | None = None, dtype: str = "auto", onednn: str = "onednn"):
+    """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3 (``shape``
     None: the measured best shape)."""
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.speculative.draft import draft_aux_layer_ids
@@ -140,8 +140,7 @@ def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = 
     policy = _policy(onednn)
     aux = draft_aux_layer_ids(draft_dir) if draft_dir else None
     runner = TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux)
-    decoder: Any = (SpecGreedy(load_spec_decoder(runner, draft_dir, shape=spec.shape if spec else None,
-                                                      onednn=policy))
+    decoder: Any = (SpecGreedy(load_spec_decoder(runner, draft_dir, shape=shape, onednn=policy))
                     if draft_dir else PlainGreedy(runner, policy))
     return EmbeddedEngine(runner, capture_dir=None, greedy_decoder=decoder)
 
@@ -161,6 +160,6 @@ def bench_serve_command(*, model: str | Path, port: int, host: str = "127.0.0.1"
            "--port", str(port), "--dtype", dtype, "--onednn", onednn]
     if threads:
         cmd += ["--threads", str(threads)]
-    if draft and spec is None:
-        spec = SpecConfig.of(measured_best_shape())
+    if draft and spec is None:  # the server's default: the measured best shape (which SGLang's flags may not say)
+        return [*cmd, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft)]
     return cmd + (spec.sglang_args(draft) if draft else [])

@@ -4,8 +4,10 @@ Owns what a cycle drafts and how the target checks it, independent of which mode
 
 - :class:`SpecShape`: ``depth`` draft forwards per cycle, ``topk`` candidates per expanded node, and
   ``draft_tokens`` tree nodes verified (the root excluded). ``topk == 1`` is a chain of ``depth``
-  tokens (SGLang ``--speculative-eagle-topk 1``); otherwise EAGLE-2's dynamic tree (SGLang's
-  ``--speculative-eagle-topk`` > 1 with ``--speculative-num-draft-tokens = draft_tokens + 1``).
+  tokens (SGLang ``--speculative-eagle-topk 1``), or with ``min_prob`` a chain that stops drafting where
+  the drafter's confidence falls (1..``depth`` tokens per cycle, embedded decoder only); otherwise
+  EAGLE-2's dynamic tree (SGLang's ``--speculative-eagle-topk`` > 1 with
+  ``--speculative-num-draft-tokens = draft_tokens + 1``).
 - :class:`DraftTree`: nodes in an order where a parent precedes its children (node ``i``'s parent
   is ``parents[i]``, ``-1`` = the root); a chain is ``parents == [-1, 0, 1, ...]``.
 - :func:`verify_inputs`: the verify forward's tokens, position ids and a 4-D boolean mask
@@ -40,10 +42,16 @@ class SpecShape:
     draft_tokens: int | None = None
     """Tree nodes verified, root excluded (SGLang's --speculative-num-draft-tokens minus one); default
     and only value for a chain: ``depth``."""
+    min_prob: float = 0.0
+    """Chains only (no SGLang flag): draft the next token only while the product of the draft
+    probabilities of the tokens drafted so far is at least this, so a cycle drafts 1..``depth`` tokens;
+    the first costs no draft forward and is always proposed. 0: always ``depth``."""
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got depth={self.depth} topk={self.topk}")
+        if not 0.0 <= self.min_prob < 1.0 or (self.min_prob and self.topk != 1):
+            raise ValueError(f"min_prob={self.min_prob} must be in [0, 1), and only a chain (topk=1) stops by it")
         n, most = self.nodes, self.topk + (self.depth - 1) * self.topk * self.topk
         if self.topk == 1 and n != self.depth:
             raise ValueError(f"a chain (topk=1) verifies depth={self.depth} draft tokens, not {n}")
@@ -60,20 +68,25 @@ class SpecShape:
 
     @property
     def name(self) -> str:
-        return f"chain{self.depth}" if self.is_chain else f"tree{self.depth}x{self.topk}n{self.nodes}"
+        if not self.is_chain:
+            return f"tree{self.depth}x{self.topk}n{self.nodes}"
+        return f"chain{self.depth}" + (f"p{self.min_prob:g}" if self.min_prob else "")
 
     @classmethod
     def parse(cls, text: str) -> SpecShape:
-        """``chain3`` or ``tree4x4n12`` (depth x topk, n nodes), as :attr:`name` writes them."""
-        m = re.fullmatch(r"chain(\d+)|tree(\d+)x(\d+)n(\d+)", text.strip())
+        """``chain3``, ``chain5p0.4`` (at most 5 drafts, stopped below a draft probability of 0.4) or
+        ``tree4x4n12`` (depth x topk, n nodes), as :attr:`name` writes them."""
+        m = re.fullmatch(r"chain(\d+)(?:p(0?\.\d+))?|tree(\d+)x(\d+)n(\d+)", text.strip())
         if not m:
-            raise ValueError(f"speculation shape {text!r}: expected chainD or treeDxKnN (e.g. chain3, tree4x4n12)")
+            raise ValueError(f"speculation shape {text!r}: expected chainD, chainDpP (P in (0, 1)) or treeDxKnN "
+                             "(e.g. chain3, chain5p0.4, tree4x4n12)")
         if m.group(1):
-            return cls(depth=int(m.group(1)))
-        return cls(depth=int(m.group(2)), topk=int(m.group(3)), draft_tokens=int(m.group(4)))
+            return cls(depth=int(m.group(1)), min_prob=float(m.group(2) or 0.0))
+        return cls(depth=int(m.group(3)), topk=int(m.group(4)), draft_tokens=int(m.group(5)))
 
     def to_json(self) -> dict:
-        return {"name": self.name, "depth": self.depth, "topk": self.topk, "draft_tokens": self.nodes}
+        return {"name": self.name, "depth": self.depth, "topk": self.topk, "draft_tokens": self.nodes,
+                **({"min_prob": self.min_prob} if self.min_prob else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,21 @@ def test_bench_serve_refuses_half_a_speculative_config():
     assert res.exit_code != 0 and "EAGLE3" in res.output
 
 
+def test_bench_serve_shape_flags():
+    from eaglenest.speculative.serve import SpecConfig, bench_serve_command
+
+    eagle = ["bench", "serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"]
+    res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3", "--speculative-num-steps", "3"])
+    assert res.exit_code != 0 and "not both" in res.output
+    res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3p2"])
+    assert res.exit_code != 0 and "chainDpP" in res.output
+    # without a spec the server keeps its own default (the measured best shape, which SGLang's flags may not say)
+    cmd = bench_serve_command(model="/m", port=1, draft="/d")
+    assert "--speculative-draft-model-path" in cmd and "--speculative-num-steps" not in cmd
+    cmd = bench_serve_command(model="/m", port=1, draft="/d", spec=SpecConfig(num_steps=2))
+    assert cmd[cmd.index("--speculative-num-steps") + 1] == "2"
+
+
 def test_bench_offline_needs_a_store_or_prompt_sets():
     res = CliRunner().invoke(app, ["bench", "offline", "--draft", "/d"])
     assert res.exit_code != 0 and "--prompt-set" in res.output

@@ -47,6 +47,31 @@ def test_speculative_equals_target_only_on_many_prompts(spec_tiny, which, steps)
         assert max(accepted) == steps and min(accepted) == 0
 
 
+def test_confidence_stopped_chains_are_lossless_and_draft_fewer_where_unsure(spec_tiny):
+    """``chainDpP``: a cycle drafts 1..D tokens, stopping where the product of draft probabilities falls
+    below P; the output is still the target's own greedy decoding (fp32)."""
+    runner, untrained, fitted, seqs, plens = spec_tiny
+    for path, min_prob in ((fitted, 0.5), (fitted, 0.9), (untrained, 0.5)):
+        dec = load_spec_decoder(runner, path, shape=SpecShape(depth=5, min_prob=min_prob))
+        drafted, accepted = [], []
+        prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)] + random_prompts(4, seed=7)
+        for ids in prompts:
+            ref = plain_greedy(runner, ids, max_new_tokens=30, ignore_eos=True).output_ids
+            out = dec.generate(ids, max_new_tokens=30, ignore_eos=True)
+            assert out.output_ids == ref, (path, min_prob)
+            assert sum(out.accepted) + out.verify_ct + 1 == len(ref)
+            drafted += out.drafted
+            accepted += out.accepted
+        assert all(d <= 5 for d in drafted) and all(a <= d for a, d in zip(accepted, drafted, strict=True))
+        if path == untrained:  # a random drafter is never sure: one draft (the free one) per cycle (0: at the budget)
+            assert set(drafted) - {0} == {1}
+        else:  # the fitted drafter is sure on its own sequences and unsure on random prompts
+            assert 5 in drafted and min(drafted) < 5, (min_prob, sorted(set(drafted)))
+    fixed = load_spec_decoder(runner, fitted, shape=SpecShape(depth=5))
+    out = fixed.generate(random_prompts(1, seed=7)[0], max_new_tokens=30, ignore_eos=True)
+    assert out.drafted[:3] == (5, 5, 5)  # without min_prob a cycle drafts 5 (fewer only near the token budget)
+
+
 def test_speculative_on_the_fitted_sequences_accepts_every_length(spec_tiny):
     runner, _, fitted, seqs, plens = spec_tiny
     dec = load_spec_decoder(runner, fitted, num_steps=3)

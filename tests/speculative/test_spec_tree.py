@@ -31,6 +31,15 @@ def test_shapes_parse_validate_and_map_to_sglang_flags():
             SpecShape.parse(bad)
     with pytest.raises(ValueError, match="chain"):
         SpecShape(depth=3, draft_tokens=5)
+    c = SpecShape.parse("chain5p0.4")  # a chain stopped where the draft probability falls below 0.4
+    assert (c.depth, c.min_prob, c.name, c.to_json()["min_prob"]) == (5, 0.4, "chain5p0.4", 0.4)
+    assert SpecShape.parse(c.name) == c and SpecShape.parse("chain5p.25").min_prob == 0.25
+    assert "min_prob" not in SpecShape.parse("chain3").to_json()
+    for bad in ("chain3p1.5", "chain3p1", "chain3p-0.2", "tree2x2n3p0.5"):
+        with pytest.raises(ValueError):
+            SpecShape.parse(bad)
+    with pytest.raises(ValueError, match="only a chain"):
+        SpecShape(depth=3, topk=2, draft_tokens=4, min_prob=0.3)
 
 
 def test_best_shape_file_round_trip(tmp_path):
