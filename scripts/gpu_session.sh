@@ -148,7 +148,7 @@ import json, sys
 from collections import Counter
 from eaglenest.testing import sglang_profiler as p
 empty = {'inclusive': Counter(), 'self': Counter(), 'samples': Counter()}
-json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http', 'client', 'validate')},
+json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sched', 'http', 'client', 'validate', 'check')},
           sys.stdout, indent=1)
 " > "$R/profile.json" || true
   [ "${PROFILE:-0}" != 1 ] || python3 scripts/profile_gaps.py --dmon "$R/dmon.txt" --prof "$R/prof" > "$R/gaps.json" || true

@@ -45,6 +45,7 @@ from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.connect import RunContext, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
 from eaglenest.extraction.stream import VALIDATE_THREAD, Phases, RoundResult, problem, stream, validate_step
+from eaglenest.extraction.validate import CHECK_THREADS
 
 Step = Callable[..., Any]
 """``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""
@@ -99,6 +100,7 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
 
         sglang_profiler.maybe_start("client", thread_name=CLIENT_THREAD)
         sglang_profiler.maybe_start("validate", thread_name=VALIDATE_THREAD)
+        sglang_profiler.maybe_start("check", thread_name=CHECK_THREADS + "*")
     ext = step(open_extraction, params)
     with ext.lock():
         prepared: Prepared = step(prepare, ext)

@@ -4,12 +4,12 @@ Enabled only by ``EAGLENEST_SAMPLE_PROFILE=<dir>`` (GPU diagnostics, never in pr
 without capture, so a baseline server can be profiled the same way (the plugin must be discoverable
 there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process (role ``sched``), in
 the HTTP process (role ``http``: tokenizer manager, receipt waits) and in the extraction (role ``client``: its
-request loop, ``extract`` roles ``validate`` too) looks at the main (or named) thread's stack
-every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per function, the samples in which
-it was on the stack (inclusive) and innermost (self). Every second it writes ``<dir>/<role>-<pid>.json``
-and appends that second's top innermost functions to ``<dir>/<role>-<pid>.timeline.jsonl`` (to line up with
-``nvidia-smi dmon``); :func:`snapshot` sums a role's files and :func:`summarize` turns two snapshots into the
-top rows.
+request loop; ``extract`` roles ``validate`` and ``check``, its shard-checking workers, too) looks at the main (or
+named) thread's stack every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per function, the
+samples in which it was on the stack (inclusive) and innermost (self). Every second it writes
+``<dir>/<role>-<pid>.json`` and appends that second's top innermost functions to
+``<dir>/<role>-<pid>.timeline.jsonl`` (to line up with ``nvidia-smi dmon``); :func:`snapshot` sums a role's
+files and :func:`summarize` turns two snapshots into the top rows.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class StackSampler:
         self.target = threading.main_thread().ident
         self.thread_name = thread_name
         """Sample the (current) thread of this name instead of the main thread (the extraction's client loop
-        runs on a thread of its own, one per round)."""
+        runs on a thread of its own, one per round); a name ending in ``*`` samples every thread whose name
+        starts with the rest (a pool's workers: one sample per worker per tick)."""
         self.inclusive: Counter[str] = Counter()
         self.own: Counter[str] = Counter()
         self.samples = 0
@@ -60,11 +61,20 @@ class StackSampler:
         self._thread.start()
         return self
 
+    def _targets(self) -> list[int | None]:
+        if self.thread_name is None:
+            return [self.target]
+        if self.thread_name.endswith("*"):
+            prefix = self.thread_name[:-1]
+            return [t.ident for t in threading.enumerate() if t.name.startswith(prefix)]
+        return [next((t.ident for t in threading.enumerate() if t.name == self.thread_name), None)]
+
     def sample(self) -> None:
-        target = self.target
-        if self.thread_name is not None:
-            target = next((t.ident for t in threading.enumerate() if t.name == self.thread_name), None)
-        frame = sys._current_frames().get(target)
+        frames = sys._current_frames()
+        for target in self._targets():
+            self._count(frames.get(target))
+
+    def _count(self, frame) -> None:
         if frame is None:
             return
         self.samples += 1

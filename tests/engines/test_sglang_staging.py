@@ -93,6 +93,42 @@ def test_sampler_follows_a_named_thread_and_writes_a_timeline(tmp_path):
     assert not sampler.timeline.name.endswith(".json")  # snapshot() globs <role>-*.json: not the timeline
 
 
+def test_sampler_with_a_name_prefix_samples_every_worker_of_a_pool(tmp_path):
+    """``check`` samples the validation's shard-checking pool: every thread whose name starts with the prefix
+    (one sample per worker per tick), never a thread of another name."""
+    import concurrent.futures as cf
+
+    release = threading.Event()
+    running = threading.Semaphore(0)
+
+    def pool_worker():
+        running.release()
+        while not release.is_set():
+            sum(range(200))
+
+    def other_worker():
+        running.release()
+        while not release.is_set():
+            sum(range(200))
+
+    sampler = sglang_profiler.StackSampler(tmp_path, role="check", thread_name="pool-x*")
+    other = threading.Thread(target=other_worker, name="other-thread")
+    with cf.ThreadPoolExecutor(2, thread_name_prefix="pool-x") as pool:
+        futures = [pool.submit(pool_worker) for _ in range(2)]
+        other.start()
+        for _ in range(3):
+            running.acquire()
+        for _ in range(20):
+            sampler.sample()
+        release.set()
+        for f in futures:
+            f.result()
+    other.join()
+    assert sampler.samples == 40
+    on_stack = {k.split(":")[-1]: n for k, n in sampler.inclusive.items()}
+    assert on_stack.get("pool_worker") == 40 and "other_worker" not in on_stack
+
+
 def test_shared_slot_grows_into_a_new_segment_and_drops_the_old_one():
     copier = plugin.DeviceCopier(1, shared=True)
     small = [torch.full((2, 4), float(k)) for k in range(3)]

@@ -200,3 +200,20 @@ def test_norm_outliers_are_flagged_not_rejected(tmp_path):
     assert len(res.entries) == 7 and res.outliers == 1
     flagged = {e.sample_id: e.stats.get("outliers") for e in res.entries if e.stats.get("outliers")}
     assert flagged == {"loud": [0, 1, 2]}
+
+
+def test_mean_norms_equal_the_float64_reference():
+    """The per-layer mean token norm of the stats (computed on bf16 bit patterns, squared in place)."""
+    import numpy as np
+
+    from eaglenest.extraction.validate import _bits, _mean_norms
+
+    x = torch.randn(37, 3 * 24).bfloat16()
+    ref = x.double().view(37, 3, 24).norm(dim=-1).mean(0).tolist()
+    got = _mean_norms(_bits(x), 3)
+    assert got == pytest.approx(ref, rel=1e-5)
+    bits = _bits(x)
+    before = bits.copy()
+    _mean_norms(bits, 3)
+    assert np.array_equal(bits, before)  # the shard's own buffer is not touched
+
