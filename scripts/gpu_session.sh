@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device session on the H200 as four back-to-back `run` calls (the machine keeps /tmp while warm):
 #
-#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1, and with .device/bin
-#          .gpu-logs (64 MiB a call): unpack the SGLang kit; the first GGUF half; an earlier session's answers and
-#          the prompt packs that do not fit the data call
+#   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 (and what fits beside it,
+#          e.g. .gpu-logs/train-1t.jsonl.xz; 64 MiB a call): unpack the SGLang kit; the first GGUF half; prompt packs
+#          and an earlier session's answers (.gpu-logs/) that do not fit the first data call (a later data call,
+#          without gguf2, may carry .gpu-logs itself)
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
 #   prompts carry .device/bin .device/gguf2 .gpu                the target writes user prompts (SELF_COUNT, 20000)
@@ -30,7 +31,8 @@
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
-# 5 s; data 40 s model + 120 s launch + the extraction (10K first turns with cut answers kept: more than 440 s)
+# 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
+# 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
 # after a call returns (then setup, the model and the store are gone): have the next call ready before.
@@ -66,20 +68,24 @@ ensure_model() {  # the target from its two GGUF halves (setup brought the first
   run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
 }
 
+copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-only files) to /tmp/gpu-logs
+  [ -d .gpu-logs ] || return 0
+  mkdir -p /tmp/gpu-logs && find .gpu-logs -maxdepth 1 -type f -exec cp -f -t /tmp/gpu-logs/ {} + && ls -la /tmp/gpu-logs
+}
+
 case "$STEP" in
 setup)
   mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
   # what the data call has no room for (its 64 MiB are taken by gguf2 and .gpu) travels in .gpu-logs with a setup
   # call: the target's answers of an earlier session (regen-logs-TAG.tar.xz.part*) and prompt packs (*.jsonl.xz,
   # found by SOURCE like those of .gpu)
-  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp .gpu-logs/* /tmp/gpu-logs/ && ls -la /tmp/gpu-logs; fi
+  copy_logs
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
-  # a pack or earlier answers come in .gpu-logs with a setup call, or with this one when there is room (no gguf2)
-  if [ -d .gpu-logs ]; then mkdir -p /tmp/gpu-logs && cp -f .gpu-logs/* /tmp/gpu-logs/; fi
+  copy_logs  # a pack or earlier answers may come with this call too, when it has room (no gguf2)
   src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
@@ -138,7 +144,8 @@ data)
   # arguments and CUDA-graph capture, to tell a starved decode batch from a slow one
   for f in /tmp/ext/regen/logs/server-*.log; do
     [ -f "$f" ] || continue
-    { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph" "$f" || true; } | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
+    { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph" "$f" || true; } \
+      | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
   done
   # the answers come back (small next to the shards) so that the next session captures them without regenerating
   (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \

@@ -63,11 +63,15 @@ def serve(
                                  "or neither")
     if speculative_algorithm not in (None, "EAGLE3"):
         raise typer.BadParameter(f"--speculative-algorithm {speculative_algorithm}: only EAGLE3 is supported")
-    if speculative_shape is not None and speculative_num_steps is not None:
-        raise typer.BadParameter("give --speculative-shape or --speculative-num-steps, not both")
+    if speculative_shape is not None and (speculative_num_steps is not None or speculative_eagle_topk != 1
+                                          or speculative_num_draft_tokens is not None):
+        raise typer.BadParameter("give --speculative-shape or the --speculative-num-steps/-eagle-topk/"
+                                 "-num-draft-tokens flags, not both")
+    if speculative_shape is not None and speculative_algorithm is None:
+        raise typer.BadParameter("--speculative-shape needs --speculative-algorithm EAGLE3 and a draft")
     asked: SpecShape | None = None  # None: the measured best shape
     try:
-        if speculative_shape:
+        if speculative_shape is not None:
             asked = SpecShape.parse(speculative_shape)
         elif speculative_num_steps is not None:
             asked = SpecConfig(num_steps=speculative_num_steps, topk=speculative_eagle_topk,

@@ -3,8 +3,9 @@
 Owns the decode loop (batch 1) and its bookkeeping. One cycle, as SGLang's EAGLE worker does it with
 ``--speculative-eagle-topk 1``:
 
-1. the proposer drafts ``k`` tokens after the current root token (``k = num_steps``; SGLang's
-   ``--speculative-num-draft-tokens`` is ``k + 1`` because it counts the root),
+1. the proposer drafts up to ``k`` tokens after the current root token (``k = num_steps``; fewer where a
+   confidence-stopped chain stops; SGLang's ``--speculative-num-draft-tokens`` is ``k + 1`` because it
+   counts the root),
 2. ONE target forward over ``[root, d1..dk]`` (on the KV cache of the decode-time target) gives the
    target's greedy token after each of them,
 3. the longest prefix of drafts equal to the target's tokens is accepted (``a`` of ``k``), plus the

@@ -142,7 +142,8 @@ class DraftState:
 
 class Eagle3Proposer:
     """Drafting with an EAGLE-3 drafter: extend over the accepted tokens' target features, then a
-    chain (argmax per step) or an EAGLE-2 dynamic tree (expand the ``topk`` best nodes by cumulative
+    chain (argmax per step; with ``shape.min_prob``, stopped once the product of the drafts' probabilities
+    falls below it) or an EAGLE-2 dynamic tree (expand the ``topk`` best nodes by cumulative
     draft log-probability per depth, keep the ``nodes`` best overall)."""
 
     def __init__(self, fd: FastDrafter, shape: SpecShape = SpecShape(), onednn: OneDNN = OneDNN(),
@@ -187,17 +188,19 @@ class Eagle3Proposer:
 
     def _chain(self, depth: int) -> DraftTree:
         fd, stop = self.fd, self.shape.min_prob
-        d = fd.to_target(self.last_logits.argmax().view(1))  # [1]
+        last = self.last_logits  # [Vd]: the logits the newest draft was taken from
+        d = fd.to_target(last.argmax().view(1))  # [1]
         drafts, h = [d], self.last_hidden
-        sure = _top_prob(self.last_logits) if stop else 1.0  # the chain's draft probability so far
+        sure = 1.0  # the product of the drafts' own draft probabilities
         for i in range(depth - 1):
-            if sure < stop:  # the drafts after this one would rarely be reached: verify what there is
-                break
-            h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
-            d = fd.to_target(logits[0].argmax().view(1))
-            drafts.append(d)
             if stop:
-                sure *= _top_prob(logits[0])
+                sure *= _top_prob(last)
+                if sure < stop:  # the drafts after this one would rarely be reached: verify what there is
+                    break
+            h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
+            last = logits[0]
+            d = fd.to_target(last.argmax().view(1))
+            drafts.append(d)
         return DraftTree.chain(torch.cat(drafts).tolist())
 
     def _tree(self, depth: int) -> DraftTree:

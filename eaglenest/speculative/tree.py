@@ -30,6 +30,13 @@ from pathlib import Path
 
 import torch
 
+PROB_DECIMALS = 10
+
+
+def _decimal(p: float) -> str:
+    """``p`` in [0, 1) as a plain decimal without trailing zeros (0.35, 0.00001: never an exponent)."""
+    return f"{p:.{PROB_DECIMALS}f}".rstrip("0")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SpecShape:
@@ -50,8 +57,11 @@ class SpecShape:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got depth={self.depth} topk={self.topk}")
-        if not 0.0 <= self.min_prob < 1.0 or (self.min_prob and self.topk != 1):
-            raise ValueError(f"min_prob={self.min_prob} must be in [0, 1), and only a chain (topk=1) stops by it")
+        if not 0.0 <= self.min_prob < 1.0 or (self.min_prob and (self.topk != 1 or self.depth < 2)):
+            raise ValueError(f"min_prob={self.min_prob} must be in [0, 1), and only a chain (topk=1) of depth >= 2 "
+                             "stops by it")
+        if float(_decimal(self.min_prob)) != self.min_prob:
+            raise ValueError(f"min_prob={self.min_prob}: at most {PROB_DECIMALS} decimals (it is part of the name)")
         n, most = self.nodes, self.topk + (self.depth - 1) * self.topk * self.topk
         if self.topk == 1 and n != self.depth:
             raise ValueError(f"a chain (topk=1) verifies depth={self.depth} draft tokens, not {n}")
@@ -70,7 +80,7 @@ class SpecShape:
     def name(self) -> str:
         if not self.is_chain:
             return f"tree{self.depth}x{self.topk}n{self.nodes}"
-        return f"chain{self.depth}" + (f"p{self.min_prob:g}" if self.min_prob else "")
+        return f"chain{self.depth}" + (f"p{_decimal(self.min_prob)}" if self.min_prob else "")
 
     @classmethod
     def parse(cls, text: str) -> SpecShape:
@@ -81,6 +91,8 @@ class SpecShape:
             raise ValueError(f"speculation shape {text!r}: expected chainD, chainDpP (P in (0, 1)) or treeDxKnN "
                              "(e.g. chain3, chain5p0.4, tree4x4n12)")
         if m.group(1):
+            if m.group(2) is not None and not float(m.group(2)):
+                raise ValueError(f"speculation shape {text!r}: a stop probability must be in (0, 1)")
             return cls(depth=int(m.group(1)), min_prob=float(m.group(2) or 0.0))
         return cls(depth=int(m.group(3)), topk=int(m.group(4)), draft_tokens=int(m.group(5)))
 

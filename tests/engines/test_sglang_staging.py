@@ -112,17 +112,20 @@ def test_sampler_with_a_name_prefix_samples_every_worker_of_a_pool(tmp_path):
             sum(range(200))
 
     sampler = sglang_profiler.StackSampler(tmp_path, role="check", thread_name="pool-x*")
-    other = threading.Thread(target=other_worker, name="other-thread")
-    with cf.ThreadPoolExecutor(2, thread_name_prefix="pool-x") as pool:
-        futures = [pool.submit(pool_worker) for _ in range(2)]
-        other.start()
-        for _ in range(3):
-            running.acquire()
-        for _ in range(20):
-            sampler.sample()
-        release.set()
-        for f in futures:
-            f.result()
+    other = threading.Thread(target=other_worker, name="other-thread", daemon=True)
+    try:
+        with cf.ThreadPoolExecutor(2, thread_name_prefix="pool-x") as pool:
+            futures = [pool.submit(pool_worker) for _ in range(2)]
+            other.start()
+            for _ in range(3):
+                assert running.acquire(timeout=10)
+            for _ in range(20):
+                sampler.sample()
+            release.set()
+            for f in futures:
+                f.result()
+    finally:
+        release.set()  # never leave busy threads behind a failed assertion
     other.join()
     assert sampler.samples == 40
     on_stack = {k.split(":")[-1]: n for k, n in sampler.inclusive.items()}

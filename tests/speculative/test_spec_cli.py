@@ -31,10 +31,14 @@ def test_bench_serve_shape_flags():
     from eaglenest.speculative.serve import SpecConfig, bench_serve_command
 
     eagle = ["bench", "serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"]
-    res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3", "--speculative-num-steps", "3"])
-    assert res.exit_code != 0 and "not both" in res.output
-    res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3p2"])
+    wide = {"COLUMNS": "250"}  # typer's error panel must not wrap the messages checked here
+    for extra in (["--speculative-num-steps", "3"], ["--speculative-eagle-topk", "2"]):
+        res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3", *extra], env=wide)
+        assert res.exit_code != 0 and "not both" in res.output, extra
+    res = CliRunner().invoke(app, [*eagle, "--speculative-shape", "chain3p2"], env=wide)
     assert res.exit_code != 0 and "chainDpP" in res.output
+    res = CliRunner().invoke(app, ["bench", "serve", "--speculative-shape", "chain3"], env=wide)
+    assert res.exit_code != 0 and "needs --speculative-algorithm" in res.output
     # without a spec the server keeps its own default (the measured best shape, which SGLang's flags may not say)
     cmd = bench_serve_command(model="/m", port=1, draft="/d")
     assert "--speculative-draft-model-path" in cmd and "--speculative-num-steps" not in cmd

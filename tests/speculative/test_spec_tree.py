@@ -35,11 +35,46 @@ def test_shapes_parse_validate_and_map_to_sglang_flags():
     assert (c.depth, c.min_prob, c.name, c.to_json()["min_prob"]) == (5, 0.4, "chain5p0.4", 0.4)
     assert SpecShape.parse(c.name) == c and SpecShape.parse("chain5p.25").min_prob == 0.25
     assert "min_prob" not in SpecShape.parse("chain3").to_json()
-    for bad in ("chain3p1.5", "chain3p1", "chain3p-0.2", "tree2x2n3p0.5"):
+    assert SpecShape.parse("chain3p0.00001").name == "chain3p0.00001"  # never an exponent: names parse back
+    for bad in ("chain3p1.5", "chain3p1", "chain3p-0.2", "tree2x2n3p0.5", "chain3p.0", "chain1p0.5"):
         with pytest.raises(ValueError):
             SpecShape.parse(bad)
     with pytest.raises(ValueError, match="only a chain"):
         SpecShape(depth=3, topk=2, draft_tokens=4, min_prob=0.3)
+    with pytest.raises(ValueError, match="decimals"):
+        SpecShape(depth=3, min_prob=0.12345678901234)
+    with pytest.raises(ValueError, match="no confidence stop"):
+        SpecConfig.of(c)
+
+
+def test_confidence_stop_is_the_product_of_the_draft_probabilities():
+    """A chain of depth 5 whose draft probabilities are 0.9, 0.8, 0.8, 0.95, ...: with min_prob 0.6 the products
+    0.9, 0.72, 0.576 stop it after the third draft (a per-token rule would go on: each is >= 0.6)."""
+    import math
+    from types import SimpleNamespace
+
+    vocab = 50
+
+    def logits(p: float, top: int) -> torch.Tensor:
+        out = torch.full((vocab,), math.log((1 - p) / (vocab - 1)))
+        out[top] = math.log(p)
+        return out
+
+    probs = [0.9, 0.8, 0.8, 0.95, 0.95]
+    steps = iter(())
+    proposer = Eagle3Proposer.__new__(Eagle3Proposer)
+    proposer.fd = SimpleNamespace(to_target=lambda ids: ids)
+    proposer.last_logits, proposer.last_hidden, proposer.root_pos = logits(probs[0], 10), torch.zeros(1, 4), 7
+
+    def forward(ids, hidden, pos, mask):
+        i = next(steps)
+        return hidden, logits(probs[i], 10 + i)[None]
+
+    proposer._forward = forward
+    for min_prob, expect in ((0.6, [10, 11, 12]), (0.95, [10]), (0.56, [10, 11, 12, 13]), (0.0, [10, 11, 12, 13, 14])):
+        steps = iter(range(1, len(probs)))
+        proposer.shape = SpecShape(depth=5, min_prob=min_prob)
+        assert proposer.propose(5).tokens == expect, min_prob
 
 
 def test_best_shape_file_round_trip(tmp_path):
