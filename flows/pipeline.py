@@ -244,7 +244,7 @@ def demo_params(out: str = "runs/demo", prompts: int = DEMO_PROMPTS) -> Pipeline
                   "eval_fraction": 0.1, "lr": 2e-3, "init": "target"},
         "export_formats": ["sglang"],
         "bench": {"num_prompts": 6, "max_new_tokens": 48, "concurrencies": [1], "target_concurrency": 1,
-                  "min_speedup": 0.0, "num_steps": 3},
+                  "min_speedup": 0.0},
     })
 
 

@@ -11,7 +11,8 @@ record saved beside every report) and the steps the CLI, the Prefect tasks and t
 
 Servers: ``engine="sglang"`` runs ``python -m sglang.launch_server`` (baseline with CUDA graphs on
 unless disabled); ``engine="embedded"`` runs ``python -m eaglenest bench serve`` (the embedded engine
-with the EAGLE-3 decoder). Both are owned by :class:`~eaglenest.engines.pool.ServerProcess`.
+with the EAGLE-3 decoder, in the measured best shape unless ``shape`` or the SGLang flags say otherwise).
+Both are owned by :class:`~eaglenest.engines.pool.ServerProcess`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eaglenest.forms import show_bounds
 from eaglenest.speculative.serve import SpecConfig
+from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
 OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
 
@@ -41,6 +43,10 @@ class BenchConfig(BaseModel):
     topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
+    shape: str | None = Field(
+        None, description="embedded: the CPU decoder's speculation shape by name (chain1, chain4p0.35, tree4x4n12) "
+        "instead of num_steps/topk/num_draft_tokens; with none of them the measured best shape "
+        "(eaglenest/speculative/cpu_shape.json)")
     prompt_set: Literal["mt-bench", "humaneval", "sharegpt"] = Field("mt-bench", description="named prompt set")
     prompt_file: str | None = Field(None, description="token-id JSONL from `eaglenest bench prompts` (overrides set)")
     num_prompts: int | None = Field(32, ge=1, description="first N prompts of the set (None: all)")
@@ -83,6 +89,12 @@ class BenchConfig(BaseModel):
             SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
         except ValueError as e:
             raise ValueError(f"num_steps/topk/num_draft_tokens: {e}") from None
+        if self.shape is not None:
+            if self.engine != "embedded":
+                raise ValueError("shape is the embedded decoder's; SGLang takes num_steps/topk/num_draft_tokens")
+            if self._sglang_flags_given():
+                raise ValueError("give shape or num_steps/topk/num_draft_tokens, not both")
+            SpecShape.parse(self.shape)  # a bad name is this config's error
         if self.target_concurrency not in self.concurrencies:
             raise ValueError(f"target_concurrency={self.target_concurrency} is not among concurrencies "
                              f"{self.concurrencies}")
@@ -97,6 +109,20 @@ class BenchConfig(BaseModel):
     @property
     def spec(self) -> SpecConfig:
         return SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+
+    def _sglang_flags_given(self) -> bool:
+        return bool({"num_steps", "topk", "num_draft_tokens"} & self.model_fields_set)
+
+    @property
+    def spec_shape(self) -> SpecShape:
+        """What EAGLE3 runs: SGLang's flags; on the embedded engine ``shape``, else the flags when given, else
+        the measured best shape."""
+        if self.engine == "embedded":
+            if self.shape is not None:
+                return SpecShape.parse(self.shape)
+            if not self._sglang_flags_given():
+                return measured_best_shape()
+        return self.spec.shape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,7 +175,7 @@ def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
     base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
                                threads=cfg.threads)
     eagle = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3, draft=cfg.draft,
-                                spec=cfg.spec, threads=cfg.threads)
+                                shape=cfg.spec_shape, threads=cfg.threads)
     return [py, *base[1:]], [py, *eagle[1:]]
 
 
@@ -188,7 +214,8 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
     store = open_samples(cfg.store_url)
     draft, head = load_offline_draft(model_path(cfg), cfg.draft)
     prov = getattr(store, "provenance", None)
-    res = offline_accept_length(store, draft, head, num_steps=cfg.num_steps, heldout_fraction=cfg.heldout_fraction,
+    res = offline_accept_length(store, draft, head, num_steps=cfg.spec_shape.depth,
+                                heldout_fraction=cfg.heldout_fraction,
                                 max_samples=cfg.offline_max_samples,
                                 aux_layer_ids=getattr(prov, "aux_layer_ids", None))
     return res.to_json()
@@ -197,18 +224,26 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
 def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
     from eaglenest.speculative import calibration as C
 
-    work = Path(cfg.output_dir) / "calibration"
+    work, depth = Path(cfg.output_dir) / "calibration", cfg.spec_shape.depth
     settings = C.CaptureSettings(model=cfg.model, engine=cfg.engine, server_urls=cfg.capture_server_urls,
                                  max_new_tokens=cfg.max_new_tokens, sglang_args=cfg.sglang_args)
     report = C.calibrate_prompt_sets(draft=cfg.draft, settings=settings, work_dir=work, prompt_sets=[cfg.prompt_set],
-                                     num_prompts=cfg.num_prompts, depths=sorted({*C.DEFAULT_DEPTHS, cfg.num_steps}))
+                                     num_prompts=cfg.num_prompts, depths=sorted({*C.DEFAULT_DEPTHS, depth}))
     (one,) = report.sets
-    at = one.by_depth[cfg.num_steps]
-    return {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": cfg.num_steps,
+    at = one.by_depth[depth]
+    return {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": depth,
             "accept_length_cycles": at["accept_length_cycles"], "accept_length": at["accept_length"],
             "cycles": at["cycles"], "target_agreement": one.target_agreement,
             "by_depth": {str(d): v["accept_length_cycles"] for d, v in one.by_depth.items()},
             "calibration_dir": str(work)}
+
+
+def _spec_json(cfg: BenchConfig) -> dict[str, Any]:
+    """The report's speculation settings in SGLang's terms (num_draft_tokens counts the root), and the embedded
+    decoder's shape by name."""
+    shape = cfg.spec_shape
+    out: dict[str, Any] = {"num_steps": shape.depth, "topk": shape.topk, "num_draft_tokens": shape.nodes + 1}
+    return {**out, "shape": shape.name} if cfg.engine == "embedded" else out
 
 
 def recorded_config(cfg: BenchConfig, prompts: Prompts) -> BenchConfig:
@@ -225,7 +260,7 @@ def assemble(cfg: BenchConfig, prompts: Prompts, baseline, eagle3, offline: dict
 
     report = BenchReport(
         engine=cfg.engine, model=model_path(cfg), draft=cfg.draft,
-        spec={"num_steps": cfg.num_steps, "topk": cfg.topk, "num_draft_tokens": cfg.spec.draft_tokens},
+        spec=_spec_json(cfg),
         prompt_set=prompts.name, prompt_source=prompts.source, num_prompts=len(prompts.token_ids),
         max_new_tokens=cfg.max_new_tokens, baseline=baseline, eagle3=eagle3, offline=offline,
         notes=[f"config: {recorded_config(cfg, prompts).model_dump_json()}"],

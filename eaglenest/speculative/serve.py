@@ -61,7 +61,8 @@ class SpecConfig:
     @property
     def shape(self) -> SpecShape:
         """The embedded decoder's shape for these flags."""
-        return SpecShape(depth=self.num_steps, topk=self.topk, draft_tokens=self.draft_tokens - 1)
+        return SpecShape(depth=self.num_steps, topk=self.topk,
+                         draft_tokens=None if self.topk == 1 else self.draft_tokens - 1)  # a chain's is its depth
 
     @classmethod
     def of(cls, shape: SpecShape) -> SpecConfig:
@@ -155,13 +156,15 @@ def _policy(name: str) -> OneDNN:
 
 
 def bench_serve_command(*, model: str | Path, port: int, host: str = "127.0.0.1", draft: str | Path | None = None,
-                        spec: SpecConfig | None = None, dtype: str = "auto", onednn: str = "onednn",
+                        shape: SpecShape | None = None, dtype: str = "auto", onednn: str = "onednn",
                         threads: int | None = None) -> list[str]:
     """``python -m eaglenest bench serve ...``: the embedded benchmark server in a fresh process."""
     cmd = [sys.executable, "-m", "eaglenest", "bench", "serve", "--model", str(model), "--host", host,
            "--port", str(port), "--dtype", dtype, "--onednn", onednn]
     if threads:
         cmd += ["--threads", str(threads)]
-    if draft and spec is None:  # the server's default: the measured best shape (which SGLang's flags may not say)
-        return [*cmd, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft)]
-    return cmd + (spec.sglang_args(draft) if draft else [])
+    if not draft:
+        return cmd
+    # by name: SGLang's flags cannot say every shape (a confidence stop); none: the server's measured best shape
+    return [*cmd, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+            *(["--speculative-shape", shape.name] if shape is not None else [])]

@@ -28,7 +28,8 @@ def test_bench_serve_refuses_half_a_speculative_config():
 
 
 def test_bench_serve_shape_flags():
-    from eaglenest.speculative.serve import SpecConfig, bench_serve_command
+    from eaglenest.speculative.serve import bench_serve_command
+    from eaglenest.speculative.tree import SpecShape
 
     eagle = ["bench", "serve", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"]
     wide = {"COLUMNS": "250"}  # typer's error panel must not wrap the messages checked here
@@ -39,11 +40,35 @@ def test_bench_serve_shape_flags():
     assert res.exit_code != 0 and "chainDpP" in res.output
     res = CliRunner().invoke(app, ["bench", "serve", "--speculative-shape", "chain3"], env=wide)
     assert res.exit_code != 0 and "needs --speculative-algorithm" in res.output
-    # without a spec the server keeps its own default (the measured best shape, which SGLang's flags may not say)
+    # the shape goes by name (SGLang's flags cannot say a confidence stop); none: the server's measured best
     cmd = bench_serve_command(model="/m", port=1, draft="/d")
-    assert "--speculative-draft-model-path" in cmd and "--speculative-num-steps" not in cmd
-    cmd = bench_serve_command(model="/m", port=1, draft="/d", spec=SpecConfig(num_steps=2))
-    assert cmd[cmd.index("--speculative-num-steps") + 1] == "2"
+    assert "--speculative-draft-model-path" in cmd and "--speculative-shape" not in cmd
+    cmd = bench_serve_command(model="/m", port=1, draft="/d", shape=SpecShape.parse("chain4p0.35"))
+    assert cmd[cmd.index("--speculative-shape") + 1] == "chain4p0.35"
+
+
+def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
+    """No speculation flags: the embedded decoder's measured best shape, named in the report's spec; the SGLang
+    flags when given (and always on SGLang); ``shape`` by name, embedded only, not beside the flags."""
+    import pytest
+
+    from eaglenest.speculative.bench import BenchConfig, _spec_json
+    from eaglenest.speculative.tree import SpecShape, measured_best_shape
+
+    best = measured_best_shape()
+    cfg = BenchConfig(draft="/d")
+    assert cfg.spec_shape == best and _spec_json(cfg)["shape"] == best.name
+    assert _spec_json(cfg)["num_draft_tokens"] == best.nodes + 1
+    assert BenchConfig(draft="/d", num_steps=3).spec_shape == SpecShape(depth=3)
+    assert BenchConfig(draft="/d", shape="chain4p0.35").spec_shape == SpecShape(depth=4, min_prob=0.35)
+    sglang = BenchConfig(draft="/d", engine="sglang")
+    assert sglang.spec_shape == SpecShape(depth=3) and "shape" not in _spec_json(sglang)
+    with pytest.raises(ValueError, match="embedded"):
+        BenchConfig(draft="/d", engine="sglang", shape="chain3")
+    with pytest.raises(ValueError, match="not both"):
+        BenchConfig(draft="/d", shape="chain3", num_steps=3)
+    with pytest.raises(ValueError, match="chainDpP"):
+        BenchConfig(draft="/d", shape="chain3p7")
 
 
 def test_bench_offline_needs_a_store_or_prompt_sets():
