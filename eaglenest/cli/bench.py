@@ -181,7 +181,8 @@ def offline(
     """Simulated accept length of a drafter: on a store's held-out split, or calibrated on prompt sets."""
     from eaglenest.speculative.bench import model_path, offline_step
 
-    cfg = params
+    # the store's estimate keeps SGLang's default depth (3) unless --steps says another
+    cfg = params if params.num_steps is not None else params.model_copy(update={"num_steps": params.spec.num_steps})
     if prompt_set or prompts_file:
         _offline_on_prompts(draft=cfg.draft, prompt_sets=prompt_set or [], prompts_file=prompts_file,
                             live=live or [], model=cfg.model, depths=[int(x) for x in depths.split(",") if x],
@@ -205,7 +206,7 @@ def offline(
         by_id = {sid: i for i, sid in enumerate(st.sample_ids)}
         samples = [st[by_id[sid]] for sid in res["sample_ids"][:live_check]]
         runner = TargetRunner(model_path(cfg), aux_layer_ids=draft_aux_layer_ids(cfg.draft))
-        live_res = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, num_steps=cfg.num_steps), samples,
+        live_res = live_accept_on_samples(load_spec_decoder(runner, cfg.draft, shape=cfg.spec_shape), samples,
                                           max_new_tokens=live_tokens)
         typer.echo(f"live on {len(samples)} held-out prompts: accept length {live_res.accept_length:.3f} "
                    f"({live_res.cycles} verify cycles, per-position {[round(x, 3) for x in live_res.acceptance_at]})")

@@ -39,7 +39,8 @@ class BenchConfig(BaseModel):
     engine: Literal["embedded", "sglang"] = Field("embedded", description="embedded (CPU) or sglang (GPU)")
     model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
     draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
-    num_steps: int = Field(3, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps)")
+    num_steps: int | None = Field(None, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps; "
+                                  "default: 3 on SGLang, the measured best shape on the embedded engine)")
     topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
@@ -86,7 +87,7 @@ class BenchConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> BenchConfig:
         try:
-            SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+            self.spec  # noqa: B018 (validates the three flags together)
         except ValueError as e:
             raise ValueError(f"num_steps/topk/num_draft_tokens: {e}") from None
         if self.shape is not None:
@@ -108,10 +109,12 @@ class BenchConfig(BaseModel):
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+        """SGLang's flags (num_steps unset: SpecConfig's default depth)."""
+        steps = {} if self.num_steps is None else {"num_steps": self.num_steps}
+        return SpecConfig(**steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
 
     def _sglang_flags_given(self) -> bool:
-        return bool({"num_steps", "topk", "num_draft_tokens"} & self.model_fields_set)
+        return self.num_steps is not None or self.topk != 1 or self.num_draft_tokens is not None
 
     @property
     def spec_shape(self) -> SpecShape:
