@@ -16,10 +16,8 @@ the benchmarks and the GPU scripts alike:
 - :class:`ServerRecords` is the one record format (``servers.json``: pid, command line and URL of each
   launched server). Ending recorded servers compares ``/proc/<pid>/cmdline`` with the recorded command,
   so a recycled PID is never killed.
-- :class:`ServerPool` attaches to given URLs or launches N servers, records them, relaunches dead ones
-  (bounded) and, before launching, ends the servers a killed earlier run left in its record. Servers start in
-  parallel, except those of one launch group (servers sharing a GPU): one after another, each once the
-  previous is ready.
+- A pool of them (given URLs or N launched servers, relaunches, late joins) is
+  :class:`eaglenest.engines.server_pool.ServerPool`.
 - Commands: :func:`embedded_command`; SGLang's flags and placements live in :mod:`eaglenest.engines.sglang_flags`.
 """
 
@@ -28,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
-import functools
 import json
 import os
 import signal
@@ -307,170 +304,6 @@ def end_recorded_servers(path: str | Path, *, grace_s: float = 5.0) -> int:
     return ServerRecords(path).end_all(grace_s=grace_s)
 
 
-# ------------------------------------------------------------------------------ a pool of servers
-@dataclass(frozen=True, slots=True)
-class LaunchSpec:
-    """How to start one server: ``make(port)`` returns a not-yet-started ServerProcess (or any object with
-    its ``start / wait_ready / alive / stop / url / pid`` interface, e.g. an in-thread server in tests)."""
-
-    name: str
-    make: Callable[[int], ServerProcess]
-    launch_group: str | None = None
-    """Servers of one group start one after another in spec order, each only once the previous is ready (SGLang
-    servers sharing a GPU: each sizes its memory from what is free when it starts); groups, and servers
-    without one, start in parallel."""
-
-
-@dataclass(slots=True)
-class _Owned:
-    spec: LaunchSpec
-    process: ServerProcess | None = None
-    relaunches: int = 0
-
-
-@dataclass
-class ServerPool:
-    """Given URLs (never launched, never killed) or launched servers, each its own process group, started in
-    parallel but one after another within a launch group; a failed launch stops every server started, starts
-    no more and raises ``LaunchError``; :meth:`revive` relaunches dead ones."""
-
-    urls_given: Sequence[str] = ()
-    specs: Sequence[LaunchSpec] = ()
-    launch_timeout_s: float = 600.0
-    max_relaunches: int = 3
-    record_path: Path | None = None
-    """Where the launched servers are recorded (``servers.json``), for crash teardown and the next run."""
-    ready: Callable[[str], bool] = probe_ready
-    port: Callable[[], int] = free_port
-    _owned: list[_Owned] = field(default_factory=list, init=False)
-    launched: int = field(default=0, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
-    _closing: bool = field(default=False, init=False)
-    _records: ServerRecords | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        if bool(self.urls_given) == bool(self.specs):
-            raise ValueError("a ServerPool needs server URLs or launch specs (exactly one of them)")
-        self._owned = [_Owned(s) for s in self.specs]
-        self._records = ServerRecords(self.record_path) if self.record_path is not None else None
-        if self.ready is probe_ready:  # a probe never waits longer than the launch bound
-            self.ready = functools.partial(probe_ready, timeout_s=min(30.0, self.launch_timeout_s))
-
-    def __enter__(self) -> ServerPool:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    @property
-    def urls(self) -> list[str]:
-        if self.urls_given:
-            return [u.rstrip("/") for u in self.urls_given]
-        return [o.process.url for o in self._owned if o.process is not None]
-
-    def pids(self) -> list[int]:
-        return [o.process.pid for o in self._owned
-                if o.process is not None and o.process.pid is not None and o.process.alive()]
-
-    def start(self) -> list[str]:
-        if self.urls_given:
-            down = [u for u in self.urls if not self.ready(u)]
-            if down:
-                raise LaunchError(f"given servers are not answering: {', '.join(down)} (start them, or let the "
-                                  "extraction launch servers by leaving server_urls empty)")
-            return self.urls
-        if self._records is not None:  # servers a killed earlier run of the same extraction left behind
-            self._records.end_all()
-        self._closing = False
-        queues = self._launch_queues()
-        ex = cf.ThreadPoolExecutor(len(queues), thread_name_prefix="launch")
-        try:
-            futures = [ex.submit(self._launch_in_order, q) for q in queues]
-            done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)  # a failure stops all, whoever fails
-            for f in [*done, *futures]:
-                f.result()
-        except BaseException:  # a failed launch or a signal: end every group now (their waits then fail fast)
-            self.stop()
-            raise
-        finally:
-            ex.shutdown(wait=False, cancel_futures=True)
-        return self.urls
-
-    def _launch_queues(self) -> list[list[_Owned]]:
-        """The servers of each launch group in spec order; a server without a group is a queue of its own."""
-        queues: dict[tuple[str, object], list[_Owned]] = {}
-        for i, o in enumerate(self._owned):
-            key = ("group", o.spec.launch_group) if o.spec.launch_group is not None else ("alone", i)
-            queues.setdefault(key, []).append(o)
-        return list(queues.values())
-
-    def _launch_in_order(self, queue: Sequence[_Owned]) -> None:
-        for owned in queue:  # the next starts only once the previous is ready; a failure starts no more
-            self._launch(owned)
-
-    def _launch(self, owned: _Owned) -> None:
-        proc = owned.spec.make(self.port())
-        with self._lock:
-            if self._closing:
-                raise LaunchError("the pool is stopping; not launching")
-            owned.process = proc
-            proc.start()
-            self.launched += 1
-            if self._records is not None:
-                self._records.add(proc)
-        proc.wait_ready(timeout_s=self.launch_timeout_s, ready=self.ready)
-
-    def _stop_one(self, proc: ServerProcess) -> None:
-        proc.stop()
-        if self._records is not None:
-            self._records.remove(proc)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._closing = True
-        for o in self._owned:
-            if o.process is not None:
-                self._stop_one(o.process)
-
-    def revive(self) -> int:
-        """Relaunch owned servers that died or stopped answering, one after another in spec order (so servers
-        of one launch group restart in their first order); returns how many answer now.
-
-        A relaunch runs the spec's command again, so a server sharing a GPU keeps the memory fraction it was
-        first given (:func:`sglang_placements`). That is safe whichever of them died: SGLang holds that fraction
-        of the memory free when IT starts and leaves the rest, and the last one started on a GPU finds what it
-        found at first, while an earlier one now finds less (the later ones hold theirs), so it takes less than
-        its share; either way the GPU keeps at least the headroom the first launch left. The cost: such a
-        server's KV cache is smaller than at first, and when its weights leave no room SGLang refuses to start
-        (a failed relaunch, counted in ``relaunches`` like any other)."""
-        if self.urls_given:
-            return sum(1 for u in self.urls if self.ready(u))
-        healthy = 0
-        for o in self._owned:
-            p = o.process
-            if p is not None and p.alive() and self.ready(p.url):
-                healthy += 1
-                continue
-            if o.relaunches >= self.max_relaunches:
-                continue
-            if p is not None:
-                self._stop_one(p)
-            o.relaunches += 1
-            try:
-                self._launch(o)
-                healthy += 1
-            except LaunchError:
-                if o.process is not None:
-                    self._stop_one(o.process)
-        return healthy
-
-    @property
-    def relaunches(self) -> int:
-        return sum(o.relaunches for o in self._owned)
-
-
-# ------------------------------------------------------------------------------ commands
 def embedded_command(
     *, model: str, port: int, capture_dir: str | None, host: str = "127.0.0.1",
     aux_layer_ids: Sequence[int] | None = None, dtype: str = "auto", extra: Sequence[str] = (),

@@ -25,8 +25,8 @@ sent for a job after its terminal failure; the transport and the sleep function 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +164,25 @@ class EngineClient:
         self._transport, self._sleep = transport, sleep
         self._rng = rng or random.Random()
         self.stats = ClientStats(per_server={s.url: 0 for s in self._servers})
+        self._joining = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The running call's loop (None before and after it): :meth:`add_server` hands servers to it."""
+        self._ended = False
+
+    def add_server(self, url: str) -> bool:
+        """Let one more server take work (from any thread): before :meth:`run` it is one of the servers, during
+        it its workers start at once (a server that became ready late); False once the call ended."""
+        url = url.rstrip("/")
+        with self._joining:
+            if self._ended:
+                return False
+            if self._loop is None:
+                if all(s.url != url for s in self._servers):
+                    self._servers.append(_Server(url))
+                    self.stats.per_server[url] = 0
+                return True
+            self._loop.call_soon_threadsafe(self._join, url)
+            return True
 
     async def run(self, jobs: Iterable[Job], *, check: Check | None = None,
                   on_outcome: OnOutcome | None = None) -> list[Answer | Failure]:
@@ -179,39 +198,61 @@ class EngineClient:
         self._check, self._on_outcome = check, on_outcome
         self._backoffs: set[asyncio.Task] = set()
         self._crash: BaseException | None = None
-        for server in self._servers:  # a lock belongs to the loop it is first used in: one per call
-            server.probing = asyncio.Lock()
         for job in jobs:
             self._add(job)
         if self._open == 0:
             return []
-        slots = [(s, lane) for s in self._servers for lane, n in lanes.items() for _ in range(n)]
-        groups = [slots[i : i + cfg.pool_size] for i in range(0, len(slots), cfg.pool_size)]
-        tls = httpx.create_ssl_context()  # one for all pools (building one costs ~20 ms)
-        async with contextlib.AsyncExitStack() as stack:
-            workers = []
-            for group in groups:
-                limits = httpx.Limits(max_connections=len(group) + 1, keepalive_expiry=cfg.keepalive_expiry_s)
-                client = await stack.enter_async_context(httpx.AsyncClient(
-                    timeout=timeout, limits=limits, transport=self._transport, verify=tls))
-                workers += [asyncio.create_task(self._worker(client, s, lane)) for s, lane in group]
-            self.stats.pools = len(groups)
-            finished = False
-            try:
-                await self._idle.wait()
-                finished = self._crash is None
-            finally:
-                # a crash or a cancellation (a termination request) ends the in-flight requests now; only a
-                # finished call lets the workers take their end marker, which queues behind any work left
-                for task in [*self._backoffs, *(w for w in workers if not finished)]:
-                    task.cancel()
-                for lane, n in lanes.items():
-                    for _ in range(n * len(self._servers)):
-                        self._put(None, lane)
-                await asyncio.gather(*workers, *self._backoffs, return_exceptions=True)
+        self._lanes, self._timeout = lanes, timeout
+        self._tls = httpx.create_ssl_context()  # one for all pools (building one costs ~20 ms)
+        self._workers: list[asyncio.Task] = []
+        self._pools: list[httpx.AsyncClient] = []
+        self.stats.pools = 0
+        with self._joining:
+            self._loop = asyncio.get_running_loop()
+            for server in self._servers:
+                self._start_workers(server)
+        finished = False
+        try:
+            await self._idle.wait()
+            finished = self._crash is None
+        finally:
+            with self._joining:  # no server joins from here on
+                self._loop, self._ended = None, True
+            # a crash or a cancellation (a termination request) ends the in-flight requests now; only a
+            # finished call lets the workers take their end marker, which queues behind any work left
+            for task in [*self._backoffs, *(w for w in self._workers if not finished)]:
+                task.cancel()
+            for lane, n in lanes.items():
+                for _ in range(n * len(self._servers)):
+                    self._put(None, lane)
+            await asyncio.gather(*self._workers, *self._backoffs, return_exceptions=True)
+            for pool in self._pools:
+                await pool.aclose()
         if self._crash is not None:
             raise self._crash
         return self._outcomes
+
+    def _start_workers(self, server: _Server) -> None:
+        """One server's workers (every lane), ``pool_size`` of them per connection pool."""
+        cfg = self.config
+        server.probing = asyncio.Lock()  # a lock belongs to the loop it is first used in: one per call
+        slots = [lane for lane, n in self._lanes.items() for _ in range(n)]
+        for i in range(0, len(slots), cfg.pool_size):
+            group = slots[i : i + cfg.pool_size]
+            limits = httpx.Limits(max_connections=len(group) + 1, keepalive_expiry=cfg.keepalive_expiry_s)
+            pool = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=self._transport, verify=self._tls)
+            self._pools.append(pool)
+            self._workers += [asyncio.create_task(self._worker(pool, server, lane)) for lane in group]
+            self.stats.pools += 1
+
+    def _join(self, url: str) -> None:
+        """On the loop: a server that became ready during the call starts taking work."""
+        if self._loop is None or any(s.url == url for s in self._servers):
+            return
+        server = _Server(url)
+        self._servers.append(server)
+        self.stats.per_server[url] = 0
+        self._start_workers(server)
 
     # ---------------------------------------------------------------- bookkeeping
     def _add(self, job: Job) -> None:

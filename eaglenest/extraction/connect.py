@@ -15,9 +15,9 @@ import torch
 
 from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder
-from eaglenest.engines.pool import LaunchSpec, ServerPool
-from eaglenest.engines.preflight import PreflightError, preflight
-from eaglenest.extraction.client import ClientConfig
+from eaglenest.engines.preflight import Preflight, PreflightError, preflight
+from eaglenest.engines.server_pool import LaunchSpec, ServerPool
+from eaglenest.extraction.client import ClientConfig, EngineClient
 from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
@@ -38,6 +38,8 @@ class RunContext:
     encoder: ChatEncoder | None = None
     lm_head: torch.Tensor | None = None
     regen_config: RegenConfig | None = None
+    client: EngineClient | None = None
+    """The round in progress's client (None between rounds): a server that joins late is handed to it."""
 
 
 # ------------------------------------------------------------------------------ servers
@@ -80,18 +82,20 @@ def launch_specs(ext: Extraction) -> list[LaunchSpec]:
 
 
 def make_pool(ext: Extraction) -> ServerPool:
+    """Given URLs, or the launched servers; several launched ones join as each is ready (work starts on the
+    first: the next SGLang server of a GPU only starts once the previous is ready)."""
     p = ext.params
     if p.server_urls:
         return ServerPool(urls_given=p.server_urls, launch_timeout_s=p.launch_timeout_s)
     return ServerPool(specs=launch_specs(ext), launch_timeout_s=p.launch_timeout_s,
-                      max_relaunches=max(1, p.max_relaunch_rounds) * 2, record_path=ext.path("servers.json"))
+                      max_relaunches=max(1, p.max_relaunch_rounds) * 2, record_path=ext.path("servers.json"),
+                      join_late=p.num_servers > 1)
 
 
 def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTransport | None = None) -> RunContext:
     """Preflight the servers against the run and the extraction's pinned provenance."""
     p = ext.params
-    pf = preflight(pool.urls, aux_layer_ids=ext.aux_layer_ids, require_capture_block=p.engine == "embedded",
-                   hidden_size=ext.hidden_size)
+    pf = _preflight(ext, pool.urls)
     fp = ext.fingerprint
     expect = Expectation(aux_layer_ids=ext.aux_layer_ids, hidden_size=ext.hidden_size, num_layers=ext.num_layers,
                          model_hash=fp["model_hash"], tokenizer_hash=fp["tokenizer_hash"],
@@ -130,6 +134,29 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
         # validation's main cost on the CPU, so it runs on the GPU when there is one
         head = load_lm_head(ext.model_dir)
         ctx.lm_head = head.to("cuda") if torch.cuda.is_available() else head
+    pool.on_join(lambda url: admit(ext, ctx, url))
     return ctx
+
+
+def _preflight(ext: Extraction, urls: list[str]) -> Preflight:
+    return preflight(urls, aux_layer_ids=ext.aux_layer_ids, require_capture_block=ext.params.engine == "embedded",
+                     hidden_size=ext.hidden_size)
+
+
+def admit(ext: Extraction, ctx: RunContext, url: str) -> None:
+    """A server that became ready after the run started: the same preflight as the first ones', held to the
+    run's pinned provenance and prompt limit, then it takes work in the round in progress (raises
+    PreflightError for a server that must not: the pool retires it)."""
+    pf = _preflight(ext, [url])
+    if pf.provenance is not None and ctx.expect.provenance is not None:
+        diff = ctx.expect.mismatches(pf.provenance)
+        if diff:
+            raise PreflightError(f"{url} serves other numerics than the run's servers: {'; '.join(diff)}")
+    if pf.context_length and pf.context_length - max(1, ext.params.context_headroom) < ctx.max_prompt_tokens:
+        raise PreflightError(f"{url} has a context of {pf.context_length} tokens, less than the run's prompts need")
+    ctx.capture_dirs = (*ctx.capture_dirs, *(d for d in pf.capture_dirs if d not in ctx.capture_dirs))
+    client = ctx.client
+    if client is not None:
+        client.add_server(url)
 
 

@@ -40,7 +40,7 @@ import httpx
 
 from eaglenest.data.samples import Sample
 from eaglenest.engines import ENV_PROFILE_DIR
-from eaglenest.engines.pool import ServerPool
+from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.connect import RunContext, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
@@ -115,6 +115,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
     params = ext.params
     counts, phases, stages = Counts(), Phases(), {"prepare": time.perf_counter() - t0}
     relaunches = launched = 0
+    servers: dict | None = None
     done_before = len(prepared.samples) - len(pending)
     if pending:
         base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
@@ -167,7 +168,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                 _give_up(counts, round_(requeue, allow_requeue=False).retry)
             stages["stream"] = time.perf_counter() - t1
             progress(dict.fromkeys(base, 0), force=True)
-            relaunches, launched = pool.relaunches, pool.launched
+            relaunches, launched, servers = pool.relaunches, pool.launched, _servers(pool)
             step(stop_servers, pool)  # inside the try: a signal landing in this stop still ends every server
         except BaseException as e:
             # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
@@ -178,7 +179,14 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             raise
     stages.update(_phase_seconds(phases))
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
-                servers_launched=launched, phases=stages, rates=phases.rates())
+                servers_launched=launched, phases=stages, rates=phases.rates(), servers=servers)
+
+
+def _servers(pool: ServerPool) -> dict | None:
+    """When each launched server was ready (s from the launch), and those that failed after work began."""
+    if not pool.ready_after_s and not pool.late_failures:
+        return None
+    return {"ready_after_s": dict(pool.ready_after_s), "launch_failures": list(pool.late_failures)}
 
 
 def _phase_seconds(phases: Phases) -> dict[str, float]:
@@ -203,7 +211,7 @@ def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running:
     with contextlib.suppress(Exception):
         write_report(ext, prepared, counts, wall_s=now - t0, relaunches=pool.relaunches,
                      servers_launched=pool.launched, phases=stages, rates=phases.rates(), status=status,
-                     ended_by=f"{type(error).__name__}: {error}".rstrip(": "))
+                     ended_by=f"{type(error).__name__}: {error}".rstrip(": "), servers=_servers(pool))
 
 
 def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:

@@ -323,7 +323,11 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
                 jobs += capture(s)
         if jobs:
             client = EngineClient(ctx.pool.urls, config=ctx.client_config, transport=ctx.transport)
-            run_sync(lambda: client.run(jobs, on_outcome=on_outcome))
+            ctx.client = client  # servers that become ready meanwhile join it (connect.admit)
+            try:
+                run_sync(lambda: client.run(jobs, on_outcome=on_outcome))
+            finally:
+                ctx.client = None
         ok = True
     finally:
         for log in (answers_log, regen_log):

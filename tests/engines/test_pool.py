@@ -15,14 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.engines.pool import (
-    LaunchError,
-    LaunchSpec,
-    ServerPool,
-    ServerRecords,
-    free_port,
-    local_server,
-)
+from eaglenest.engines.pool import LaunchError, ServerRecords, free_port, local_server
+from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 

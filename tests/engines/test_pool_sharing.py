@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.engines.pool import LaunchError, LaunchSpec, ServerPool, ServerProcess
+from eaglenest.engines.pool import LaunchError, ServerProcess
+from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 from eaglenest.engines.sglang_flags import DEFAULT_SHARED_MEM_FRACTION, SglangPlacement, sglang_placements
 from eaglenest.engines.sglang_guards import split_flags
 
@@ -213,3 +214,79 @@ def test_revive_relaunches_dead_sharing_servers_in_order_with_their_first_flags(
         assert log == [("start", "s0"), ("ready", "s0"), ("start", "s1"), ("ready", "s1")]
         pool._owned[0].process.stop()  # only the first on its GPU dies: relaunched as it was, the other stays
         assert pool.revive() == 2 and launched[4:] == first[:1] and pool.relaunches == 3
+
+
+# ------------------------------------------------------------------------------ late joins
+class FailingServer(FakeServer):
+    def wait_ready(self, *, timeout_s: float, ready: Callable[[str], bool], poll_s: float = 0.01) -> None:
+        if self.gate is not None:
+            self.gate()
+        raise LaunchError(f"{self.name} exited with code 1 before becoming ready")
+
+
+def late_pool(kinds: list[type[FakeServer]], gates: dict[str, Callable[[], None]]) -> tuple[ServerPool, list]:
+    log: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    places = sglang_placements([], num_servers=len(kinds), gpus=1)  # one GPU: one launch group
+
+    def spec(i: int) -> LaunchSpec:
+        def make(port: int) -> FakeServer:
+            return kinds[i](f"s{i}", log, lock, gate=gates.get(f"s{i}"))
+        return LaunchSpec(f"s{i}", make, launch_group=places[i].launch_group)
+
+    pool = ServerPool(specs=[spec(i) for i in range(len(kinds))], ready=lambda url: True, port=lambda: 0,
+                      launch_timeout_s=10, join_late=True)
+    return pool, log
+
+
+def test_join_late_serves_from_the_first_ready_server_and_announces_the_next():
+    release = threading.Event()
+    pool, log = late_pool([FakeServer, FakeServer, FakeServer], {"s1": lambda: release.wait(5)})
+    joined: list[str] = []
+    pool.on_join(joined.append)
+    try:
+        assert pool.start() == ["http://fake/s0"]  # s1 (same GPU, after s0) still loading
+        assert ("start", "s1") in log and ("ready", "s1") not in log
+        assert pool.revive() == 1  # a server in its first launch is not relaunched
+        release.set()
+        deadline = time.monotonic() + 5
+        while len(joined) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert joined == ["http://fake/s1", "http://fake/s2"] and len(pool.urls) == 3
+        assert set(pool.ready_after_s) == {"s0", "s1", "s2"} and pool.late_failures == [] and pool.relaunches == 0
+    finally:
+        pool.stop()
+
+
+def test_join_late_a_late_failure_is_recorded_and_the_served_servers_stay():
+    pool, log = late_pool([FakeServer, FailingServer, FakeServer], {})
+    with pool:
+        deadline = time.monotonic() + 5
+        while not pool.late_failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.urls == ["http://fake/s0"] and pool._owned[0].process.alive()
+        assert len(pool.late_failures) == 1 and pool.late_failures[0].startswith("s1: s1 exited with code 1")
+        assert ("start", "s2") not in log  # the failed one's GPU starts no more
+
+
+def test_join_late_a_failure_before_any_server_is_ready_fails_the_start():
+    pool, _ = late_pool([FailingServer, FakeServer], {})
+    with pytest.raises(LaunchError, match="s0 exited"):
+        pool.start()
+    assert pool.urls == [] and not any(o.process and o.process.alive() for o in pool._owned)
+
+
+def test_join_late_a_server_refused_when_joining_is_retired_and_never_relaunched():
+    pool, _ = late_pool([FakeServer, FakeServer], {})
+
+    def refuse(url: str) -> None:
+        raise ValueError("serves other numerics")
+
+    pool.on_join(refuse)
+    with pool:
+        deadline = time.monotonic() + 5
+        while not pool.late_failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.late_failures == ["s1: refused when joining: serves other numerics"]
+        assert pool.urls == ["http://fake/s0"] and not pool._owned[1].process.alive()
+        assert pool.revive() == 1 and pool.relaunches == 0

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import save as st_save
 
 from eaglenest import contract
-from eaglenest.engines.pool import LaunchError, LaunchSpec, ServerPool, ServerProcess, embedded_command
+from eaglenest.engines.pool import LaunchError, ServerProcess, embedded_command
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.engines.runtime import Captured
+from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import ThreadServer, assert_complete_and_exact, ledger_ids, with_
@@ -232,3 +233,49 @@ def test_fault_gate_applies_faults_only_while_the_gate_file_exists(tmp_path):
     assert _drive(FaultMiddleware(ok_app, Faults.parse("fail_every=2")), 2) == [200, 503]  # no gate: always on
     with pytest.raises(ValueError, match="gate needs a file path"):
         Faults.parse("fail_every=2,gate=")
+
+
+def test_the_run_starts_on_the_first_ready_server_and_the_next_joins_it(tiny_extract_params, tiny_runner):
+    """Two launched servers of one launch group (sharing a GPU: the second starts once the first is ready): work
+    starts on the first, and the second, ready only once the first has answered several captures, joins the
+    round in progress and takes its share; nothing lost, none redone."""
+    params = with_(tiny_extract_params, batch_size=32, concurrency=2, num_servers=2)
+    ext = open_extraction(params)
+    launched: list[ThreadServer] = []
+    first_answered: list[int] = []  # by the first server when the second became ready
+
+    def make(port):
+        server = ThreadServer(tiny_runner, ext.capture_dir, port)
+        if not launched:  # the first answers slowly enough that the run is still going when the second joins
+            submit = server.engine.submit
+
+            def slow(work):
+                time.sleep(0.03)
+                return submit(work)
+
+            server.engine.submit = slow
+        else:
+            ready = server.wait_ready
+
+            def after_first_answers(**kw):
+                deadline = time.monotonic() + 10
+                while launched[0].engine.stats["requests"] < 6 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                first_answered.append(launched[0].engine.stats["requests"])
+                ready(**kw)
+
+            server.wait_ready = after_first_answers
+        launched.append(server)
+        return server
+
+    pool = ServerPool(specs=[LaunchSpec(f"t{i}", make, launch_group="gpu-0") for i in range(2)],
+                      launch_timeout_s=30, join_late=True)
+    report = run_extraction(params, pool=pool)
+    assert_complete_and_exact(report, ext.dir)
+    assert first_answered[0] >= 6  # the run did not wait for the second server
+    computed = [s.engine.stats["requests"] - 1 for s in launched]  # minus each readiness probe
+    assert sum(computed) == report["samples"] and computed[1] > 0  # the late one took a share, none redone
+    ready = report["run"]["servers"]["ready_after_s"]
+    assert set(ready) == {"t0", "t1"} and ready["t1"] >= ready["t0"]
+    assert report["run"]["servers"]["launch_failures"] == [] and report["run"]["relaunches"] == 0
+    assert not any(s.alive() for s in launched)

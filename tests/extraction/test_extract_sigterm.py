@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eaglenest.cli import app
-from eaglenest.engines.pool import LaunchSpec, ServerPool
+from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 from eaglenest.extraction.client import ClientConfig, EngineClient, Job
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction

@@ -2,13 +2,14 @@
 
 import asyncio
 import json
+from collections import Counter
 
 import httpx
 import pytest
 
 from eaglenest import contract
 from eaglenest.data import Sample
-from eaglenest.extraction.client import ClientConfig, EngineClient, Job
+from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Job
 from eaglenest.extraction.prefill import prefill, prefill_async
 
 A, B = "http://a", "http://b"
@@ -228,8 +229,8 @@ def test_workers_share_small_connection_pools(monkeypatch):
             for i in range(60)]
     out = asyncio.run(client.run(jobs))
     assert sorted(o.key for o in out) == sorted(j.key for j in jobs) and len(rec.calls) == 60
-    # (5 + 2) workers x 2 servers = 14 in pools of 4, 4, 4, 2
-    assert client.stats.pools == 4 and [kw["limits"].max_connections for kw in made] == [5, 5, 5, 3]
+    # (5 + 2) workers per server in pools of 4 and 3, each pool one server's (a late server gets its own)
+    assert client.stats.pools == 4 and [kw["limits"].max_connections for kw in made] == [5, 4, 5, 4]
     assert len({id(kw["verify"]) for kw in made}) == 1
 
 
@@ -292,3 +293,35 @@ def test_a_lane_keeps_its_slots_when_another_lanes_jobs_hang():
     with pytest.raises(ValueError, match="asks for lane 'other'"):
         asyncio.run(EngineClient([A], transport=httpx.MockTransport(lambda r: httpx.Response(200))).run(
             [Job("x", {"rid": "x"}, lane="other")]))
+
+
+def test_a_server_added_during_the_call_takes_work_at_once():
+    """A server that becomes ready after the call started (the next SGLang server of a GPU) gets its workers at
+    once: here A holds its two requests until B has answered, so without the join nothing would finish."""
+    async def main():
+        b_answered = asyncio.Event()
+        per_server = Counter()
+
+        async def handler(request):
+            rid = json.loads(request.content)["rid"]
+            per_server[request.url.host] += 1
+            if request.url.host == "a":
+                await b_answered.wait()
+            else:
+                b_answered.set()
+            return httpx.Response(200, json={"text": "", "meta_info": {"id": rid}})
+
+        client = EngineClient([A], config=ClientConfig(concurrency=2), transport=httpx.MockTransport(handler),
+                              sleep=no_sleep)
+        run = asyncio.create_task(client.run([Job(f"s{i}", {"rid": f"s{i}"}) for i in range(10)]))
+        await asyncio.sleep(0.05)
+        assert not run.done() and per_server == {"a": 2}
+        joined = await asyncio.to_thread(client.add_server, B)  # from another thread, as the pool's launcher does
+        out = await asyncio.wait_for(run, timeout=5)
+        return client, joined, out, per_server
+
+    client, joined, out, per_server = asyncio.run(main())
+    assert joined and sorted(o.key for o in out) == [f"s{i}" for i in range(10)]
+    assert all(isinstance(o, Answer) for o in out) and per_server["b"] >= 8
+    assert client.stats.per_server == {A: 2, B: 8} and client.stats.pools == 2
+    assert client.add_server("http://c") is False  # the call has ended
