@@ -17,7 +17,7 @@ from eaglenest.engines.pool import LaunchError, ServerProcess, embedded_command
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.engines.runtime import Captured
 from eaglenest.engines.server_pool import LaunchSpec, ServerPool
-from eaglenest.extraction.run import run_extraction
+from eaglenest.extraction.run import GIL_SWITCH_S, run_extraction
 from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import ThreadServer, assert_complete_and_exact, ledger_ids, with_
 
@@ -243,6 +243,7 @@ def test_the_run_starts_on_the_first_ready_server_and_the_next_joins_it(tiny_ext
     ext = open_extraction(params)
     launched: list[ThreadServer] = []
     first_answered: list[int] = []  # by the first server when the second became ready
+    switch: list[float] = []
 
     def make(port):
         server = ThreadServer(tiny_runner, ext.capture_dir, port)
@@ -250,6 +251,7 @@ def test_the_run_starts_on_the_first_ready_server_and_the_next_joins_it(tiny_ext
             submit = server.engine.submit
 
             def slow(work):
+                switch.append(sys.getswitchinterval())
                 time.sleep(0.03)
                 return submit(work)
 
@@ -273,6 +275,7 @@ def test_the_run_starts_on_the_first_ready_server_and_the_next_joins_it(tiny_ext
     report = run_extraction(params, pool=pool)
     assert_complete_and_exact(report, ext.dir)
     assert first_answered[0] >= 6  # the run did not wait for the second server
+    assert set(switch) == {GIL_SWITCH_S} and sys.getswitchinterval() == 0.005  # quick GIL handoffs, then restored
     computed = [s.engine.stats["requests"] - 1 for s in launched]  # minus each readiness probe
     assert sum(computed) == report["samples"] and computed[1] > 0  # the late one took a share, none redone
     ready = report["run"]["servers"]["ready_after_s"]

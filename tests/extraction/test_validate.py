@@ -202,18 +202,33 @@ def test_norm_outliers_are_flagged_not_rejected(tmp_path):
     assert flagged == {"loud": [0, 1, 2]}
 
 
-def test_mean_norms_equal_the_float64_reference():
-    """The per-layer mean token norm of the stats (computed on bf16 bit patterns, squared in place)."""
+def test_hidden_checks_norms_equal_the_float64_reference_and_find_every_nonfinite_value():
+    """The per-layer mean token norms of the stats (bf16 bits squared in a reused float32 buffer) and the
+    non-finite check that rides on them: a NaN/Inf anywhere is found with its place; a finite value whose square
+    overflows float32 is no error, and its norms come out right."""
     import numpy as np
 
-    from eaglenest.extraction.validate import _bits, _mean_norms
+    from eaglenest.extraction.validate import InvalidShard, _bits, _hidden_checks
+    from eaglenest.testing.fake_store import fake_shard
 
-    x = torch.randn(37, 3 * 24).bfloat16()
-    ref = x.double().view(37, 3, 24).norm(dim=-1).mean(0).tolist()
-    got = _mean_norms(_bits(x), 3)
-    assert got == pytest.approx(ref, rel=1e-5)
-    bits = _bits(x)
-    before = bits.copy()
-    _mean_norms(bits, 3)
-    assert np.array_equal(bits, before)  # the shard's own buffer is not touched
+    p = prov(aux_layer_ids=(1, 2, 3), hidden_size=24)
+
+    def reference(sh):
+        t = sh.num_tokens
+        aux = sh.aux_hidden.double().view(t, 3, 24).norm(dim=-1).mean(0).tolist()
+        return [*aux, sh.final_hidden.double().norm(dim=-1).mean().item()]
+
+    for seed, t in ((0, 37), (1, 5), (2, 300)):  # the buffer is reused across shapes and grown
+        sh = fake_shard("s", t, p, seed=seed)
+        before = _bits(sh.aux_hidden).copy()
+        assert _hidden_checks(sh) == pytest.approx(reference(sh), rel=1e-5)
+        assert np.array_equal(_bits(sh.aux_hidden), before)  # the shard's own buffer is not touched
+    big = fake_shard("s", 9, p, seed=3)
+    big.aux_hidden[4, 30] = 3e30  # finite in bf16, its square is not in float32
+    assert _hidden_checks(big) == pytest.approx(reference(big), rel=1e-5)
+    for name, where, value in (("aux_hidden", (7, 50), float("nan")), ("final_hidden", (2, 3), float("-inf"))):
+        bad = fake_shard("s", 9, p, seed=4)
+        getattr(bad, name)[where] = value
+        with pytest.raises(InvalidShard, match=rf"non-finite value in {name} at \[token {where[0]}, col {where[1]}\]"):
+            _hidden_checks(bad)
 
