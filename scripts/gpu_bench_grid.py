@@ -10,7 +10,10 @@ PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prom
 ``python -m sglang.launch_server`` (CUDA graphs on unless --no-cuda-graph; triton attention + pytorch
 sampling, the kit's verified flags) started in its own process group, proven ready by a real request,
 driven at every concurrency on every prompt set with httpx, and stopped: one baseline server, then one EAGLE3
-server per --steps value (a depth sweep). Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
+server per --steps value (a depth sweep); with --rounds R > 1, the baseline and each EAGLE3 server are up
+together (the GPU's memory shared as the extraction shares it) and every level runs in R alternating rounds,
+whose per-round speedups go into matrix.json (speedup_rounds, speedup_median).
+Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
 and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
 cost in baseline steps (the break-even accept length). --speculative-num-draft-tokens counts the root
 token (chain: steps + 1). Writes $OUT/server_baseline.json and $OUT/server_eagle3.json as each finishes,
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
+from eaglenest.engines.sglang_flags import sglang_placements
 from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
-from eaglenest.speculative.live import ServerResult, bench_server_sets
+from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
 from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
@@ -57,6 +62,15 @@ def gpu_name() -> str:
                               capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+
+
+def round_speedups(baseline: ServerResult, eagle3: ServerResult, c: int) -> dict:
+    """Each alternating round's EAGLE3 / baseline tok/s (same prompts, back to back), when there were rounds."""
+    b, e = baseline.round_tok_s.get(str(c)), eagle3.round_tok_s.get(str(c))
+    if not b or not e:
+        return {}
+    ratios = sorted(x / y for x, y in zip(e, b, strict=True))
+    return {"speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3)}
 
 
 def main() -> int:
@@ -72,6 +86,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--requests-per-level", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: the baseline and each EAGLE3 server up together (sharing the GPU's memory), every "
+                         "level in this many alternating rounds over slices of the prompts (the machine's drift then "
+                         "weighs on both sides alike)")
     ap.add_argument("--target-concurrency", type=int, default=1)
     ap.add_argument("--min-speedup", type=float, default=1.0)
     ap.add_argument("--only", choices=["baseline", "eagle3"], default=None)
@@ -82,6 +100,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
+    if a.rounds > 1 and (a.only or a.baseline_json or a.requests_per_level):
+        ap.error("--rounds measures both servers together: no --only, --baseline-json or --requests-per-level")
     out = Path(os.environ.get("OUT", "/tmp/out"))
     steps = [int(x) for x in a.steps.split(",")]
     base = dict(engine="sglang", model=a.model, draft=a.draft, topk=a.topk, num_prompts=a.num_prompts,
@@ -102,6 +122,37 @@ def main() -> int:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
                            prompt_file=files[list(sets).index(name)])
 
+    def progress(label: str):
+        return lambda n, lv: print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
+                                   f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
+                                   f"{lv.accept_length}  errors {lv.errors}", flush=True)
+
+    def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
+        """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
+        places = sglang_placements(a.sglang_arg, num_servers=2, gpus=1)
+        cfgs = [cfg_for(next(iter(sets)), k).model_copy(update={"mem_fraction_static": p.mem_fraction_static})
+                for p in places]
+        cmds = [server_commands(cfgs[0], a.port)[0], server_commands(cfgs[1], a.port + 1)[1]]
+        labels = ["baseline", f"eagle3@{k}"]
+        for label, cmd in zip(labels, cmds, strict=True):
+            print(f"== {label} (together, {a.rounds} rounds): {' '.join(cmd)}", flush=True)
+        servers = {lab: local_server(cmd, port=a.port + i, log_path=out / f"server_{lab}.log")
+                   for i, (lab, cmd) in enumerate(zip(labels, cmds, strict=True))}
+        try:
+            res = bench_servers_together(
+                servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
+                ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
+                progress=lambda n, lv: progress(n)(n, lv))
+        except LaunchError as e:
+            print(f"together@{k} failed to launch: {e}", flush=True)
+            return None
+        finally:
+            end_recorded_servers(out / "servers.json")
+        for lab in labels:
+            (out / f"server_{lab}.json").write_text(json.dumps({n: r.to_json() for n, r in res[lab].items()},
+                                                               indent=1))
+        return res["baseline"], res[labels[1]]
+
     def run(label: str, cmd: list[str]) -> dict[str, ServerResult] | None:
         print(f"== {label}: {' '.join(cmd)}", flush=True)
         server = local_server(cmd, port=a.port, log_path=out / f"server_{label}.log")
@@ -109,10 +160,7 @@ def main() -> int:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
                 requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
-                pidfile=out / "servers.json",
-                progress=lambda n, lv: print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
-                                             f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
-                                             f"{lv.accept_length}  errors {lv.errors}", flush=True))
+                pidfile=out / "servers.json", progress=progress(label))
         except LaunchError as e:
             print(f"{label} failed to launch: {e}", flush=True)
             return None
@@ -123,21 +171,29 @@ def main() -> int:
         print(f"{label}: started in {first.startup_s:.0f} s", flush=True)
         return res
 
-    if a.baseline_json:
+    if a.rounds > 1:
+        baseline = None
+    elif a.baseline_json:
         baseline = {n: ServerResult.from_json(d) for n, d in json.loads(Path(a.baseline_json).read_text()).items()}
     elif a.only != "eagle3":
         baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
         if baseline is None:
             return 1
     else:
-        baseline = None
-    if a.only == "baseline" or baseline is None:
+        return 0
+    if a.only == "baseline":
         return 0
     matrix = []
     for k in steps:
-        eagle3 = run(f"eagle3@{k}", server_commands(cfg_for(next(iter(sets)), k), a.port)[1])
-        if eagle3 is None:
-            return 1
+        if a.rounds > 1:
+            pair = together(k)
+            if pair is None:
+                return 1
+            baseline, eagle3 = pair
+        else:
+            eagle3 = run(f"eagle3@{k}", server_commands(cfg_for(next(iter(sets)), k), a.port)[1])
+            if eagle3 is None:
+                return 1
         for name, prompts in sets.items():
             cfg = cfg_for(name, k)
             report = assemble(cfg, prompts, baseline[name], eagle3[name])
@@ -151,7 +207,8 @@ def main() -> int:
                                "concurrency": c, "speedup": g.speedup, "cycle_cost_steps": g.cycle_cost_steps,
                                "accept_length": lv.accept_length if lv else None,
                                "baseline_tok_s": report.level("baseline", c).output_tok_s,
-                               "eagle3_tok_s": lv.output_tok_s if lv else None})
+                               "eagle3_tok_s": lv.output_tok_s if lv else None,
+                               **round_speedups(baseline[name], eagle3[name], c)})
                 if c == a.target_concurrency:
                     print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
     (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix}, indent=1))

@@ -30,7 +30,7 @@
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: whole epochs that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
-# (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), CALIB (0). Timings seen on the H200: setup
+# (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -256,6 +256,8 @@ print(os.path.basename(os.path.dirname(runs[0])) if runs else 'none')")
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
+    # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
+    [ "${ROUNDS:-1}" = 1 ] || base=(--rounds "$ROUNDS")
     mkdir -p "$R/grid-$name" "$R/calib-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency 1,16 --steps "${STEPS:-3}" \

@@ -13,6 +13,8 @@ Owns the load generator and the two-server grid; the same code drives SGLang and
 - :func:`bench_server` launches one server (:class:`~eaglenest.engines.pool.ServerProcess`, its own
   process group, ready after a real request), warms it up, runs every level, and always stops it;
   the group is recorded (:class:`~eaglenest.engines.pool.ServerRecords`) so a crashed flow's hook can end it.
+- :func:`bench_servers_together` keeps both servers up and runs each level in alternating rounds
+  (:func:`run_rounds`), so the machine's drift during a run falls on both sides alike.
 - :func:`sglang_command` builds a plain ``python -m sglang.launch_server`` command (CUDA graphs on
   unless disabled; EAGLE3 flags from :class:`~eaglenest.speculative.serve.SpecConfig`).
 
@@ -22,6 +24,7 @@ Invariant: requests carry ``nocapture:`` rids, so a capturing server never write
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -137,6 +140,18 @@ async def drive_level(
     clock: Callable[[], float] = time.perf_counter, tag: str = "bench",
 ) -> LevelResult:
     """``num_requests`` greedy requests (prompts reused round-robin), ``concurrency`` in flight at all times."""
+    records, duration = await _drive(url, prompts, concurrency=concurrency, num_requests=num_requests,
+                                     max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
+                                     transport=transport, clock=clock, tag=tag)
+    return summarize_level(concurrency, records, duration)
+
+
+async def _drive(
+    url: str, prompts: Sequence[list[int]], *, concurrency: int, num_requests: int, max_new_tokens: int,
+    ignore_eos: bool, timeout_s: float, transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
+    tag: str,
+) -> tuple[list[RequestRecord], float]:
+    """The records (by index) and wall time of one closed-loop level."""
     if concurrency < 1 or num_requests < 1 or not prompts:
         raise ValueError(f"need concurrency >= 1, num_requests >= 1 and prompts (got {concurrency}, "
                          f"{num_requests}, {len(prompts)})")
@@ -157,7 +172,7 @@ async def drive_level(
         t0 = clock()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
         duration = clock() - t0
-    return summarize_level(concurrency, sorted(records, key=lambda r: r.index), duration)
+    return sorted(records, key=lambda r: r.index), duration
 
 
 def requests_for(concurrency: int, num_prompts: int, *, min_waves: int = 2) -> int:
@@ -191,6 +206,8 @@ class ServerResult:
     server_accept_length: float | None
     startup_s: float
     info: dict[str, Any] = field(default_factory=dict)
+    round_tok_s: dict[str, list[float]] = field(default_factory=dict)
+    """Per concurrency (as a string): the output tok/s of each round, when the levels ran in alternating rounds."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -260,6 +277,82 @@ def bench_server_sets(
                 name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
                 startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
                                          or k == "internal_states"})
+    return results
+
+
+def run_rounds(
+    urls: Mapping[str, str], prompts: Sequence[list[int]], concurrencies: Sequence[int], *, rounds: int,
+    max_new_tokens: int, ignore_eos: bool = False, timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None, progress: Callable[[str, LevelResult], None] | None = None,
+) -> dict[str, tuple[list[LevelResult], dict[str, list[float]]]]:
+    """Every concurrency level on every server (``urls``: name -> URL), in ``rounds`` alternating rounds.
+
+    Round r sends the r-th of ``rounds`` interleaved slices of the prompts (so every prompt once per server, as
+    in one plain level, and both servers get the same prompts in each round) to every server, in reversed order
+    every other round: a machine that speeds up or slows down during the run then weighs on both sides alike
+    (two separate servers timed minutes apart differed by up to 25% in their baselines on the H200). Each
+    server's level pools the records and wall times of its rounds; the rounds' own tok/s are returned beside
+    them (name -> (levels, {concurrency: [tok/s per round]}))."""
+    if rounds < 1 or rounds > len(prompts):
+        raise ValueError(f"rounds must be between 1 and the number of prompts ({len(prompts)}), got {rounds}")
+    names = list(urls)
+    out: dict[str, tuple[list[LevelResult], dict[str, list[float]]]] = {n: ([], {}) for n in names}
+    for c in concurrencies:
+        records: dict[str, list[RequestRecord]] = {n: [] for n in names}
+        wall = dict.fromkeys(names, 0.0)
+        for r in range(rounds):
+            chunk = prompts[r::rounds]
+            for name in names if r % 2 == 0 else names[::-1]:
+                recs, dur = run_sync(lambda name=name, chunk=chunk, c=c, r=r: _drive(
+                    urls[name], chunk, concurrency=c, num_requests=requests_for(c, len(chunk)),
+                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s, transport=transport,
+                    clock=time.perf_counter, tag=f"{name}-r{r}"))
+                if not any(x.ok for x in recs):
+                    raise BenchError(f"every request failed at concurrency {c} on {urls[name]}: {recs[0].error}")
+                records[name] += recs
+                wall[name] += dur
+                out[name][1].setdefault(str(c), []).append(sum(x.completion_tokens for x in recs if x.ok) / dur)
+        for name in names:
+            lv = summarize_level(c, records[name], wall[name])
+            out[name][0].append(lv)
+            if progress:
+                progress(name, lv)
+    return out
+
+
+def bench_servers_together(
+    servers: Mapping[str, ServerProcess], prompt_sets: Mapping[str, Sequence[list[int]]],
+    concurrencies: Sequence[int], *, rounds: int, max_new_tokens: int, ignore_eos: bool = False,
+    warmup_requests: int = 4, ready_timeout_s: float = 900.0, timeout_s: float = 600.0,
+    ready: Callable[[str], bool] = probe_ready, progress: Callable[[str, LevelResult], None] | None = None,
+    pidfile: Path | None = None,
+) -> dict[str, dict[str, ServerResult]]:
+    """Launch every server (one after another: servers sharing a GPU size their memory from what is free, so each
+    needs its ``--mem-fraction-static`` share), warm each, run :func:`run_rounds` on each prompt set, stop them
+    all. Returns name -> prompt set -> ServerResult (its levels pooled over the rounds, ``round_tok_s`` beside)."""
+    records = ServerRecords(pidfile) if pidfile is not None else None
+    results: dict[str, dict[str, ServerResult]] = {n: {} for n in servers}
+    with contextlib.ExitStack() as stack:
+        startup: dict[str, float] = {}
+        for name, server in servers.items():
+            t0 = time.monotonic()
+            stack.enter_context(launched(server, timeout_s=ready_timeout_s, ready=ready, records=records))
+            startup[name] = time.monotonic() - t0
+            if warmup_requests:
+                first = next(iter(prompt_sets.values()))
+                run_levels(server.url, first, [min(warmup_requests, max(concurrencies))], max_new_tokens=max_new_tokens,
+                           ignore_eos=ignore_eos, requests_per_level=warmup_requests, timeout_s=timeout_s, tag="warmup")
+        for set_name, prompts in prompt_sets.items():
+            got = run_rounds({n: s.url for n, s in servers.items()}, prompts, concurrencies, rounds=rounds,
+                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
+                             progress=progress)
+            for name, server in servers.items():
+                info = server_info(server.url)
+                levels, per_round = got[name]
+                results[name][set_name] = ServerResult(
+                    name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
+                    startup_s=startup[name], round_tok_s=per_round,
+                    info={k: v for k, v in info.items() if not isinstance(v, dict | list) or k == "internal_states"})
     return results
 
 

@@ -1,0 +1,93 @@
+"""The live grid's alternating rounds: both servers up, every level in rounds of reversed order, so a machine
+that drifts during the run weighs on both sides alike."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from eaglenest.speculative.live import run_rounds
+
+
+def drifting_machine(unit_s: float = 0.002):
+    """Two identical fake servers on one machine that slows down with every request it serves (the n-th takes
+    n units); records which server answered which rid, in order."""
+    seen: list[tuple[str, str, list[int]]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.host, body["rid"], body["input_ids"]))
+        await asyncio.sleep(unit_s * len(seen))
+        return httpx.Response(200, json={"text": "x", "meta_info": {"completion_tokens": 8}})
+
+    return handler, seen
+
+
+def test_rounds_alternate_send_each_prompt_once_per_server_and_cancel_the_drift():
+    handler, seen = drifting_machine()
+    prompts = [[i, i + 1] for i in range(8)]
+    got = run_rounds({"a": "http://a", "b": "http://b"}, prompts, [1], rounds=4, max_new_tokens=8,
+                     transport=httpx.MockTransport(handler))
+    order = [host for host, _, _ in seen]
+    assert order == ["a", "a", "b", "b", "b", "b", "a", "a"] * 2  # reversed every other round
+    for name in ("a", "b"):
+        (lv,), per_round = got[name]
+        assert sorted(ids[0] for host, _, ids in seen if host == name) == list(range(8))  # each prompt once
+        assert lv.requests == 8 and lv.errors == 0 and lv.output_tokens == 64 and len(per_round["1"]) == 4
+    ratio = got["b"][0][0].output_tok_s / got["a"][0][0].output_tok_s
+    assert ratio == pytest.approx(1.0, abs=0.15)  # run one after the other, b would look 2.8x slower
+
+
+def test_rounds_must_fit_the_prompts():
+    with pytest.raises(ValueError, match="rounds must be between 1 and the number of prompts"):
+        run_rounds({"a": "http://a"}, [[1]], [1], rounds=2, max_new_tokens=4)
+
+
+class _Started:
+    """ServerProcess's interface over an in-thread server already listening; logs what the bench calls."""
+
+    def __init__(self, url: str, log: list[str], name: str) -> None:
+        self.url, self.cmd, self.pid, self.log, self.name = url, [name], None, log, name
+
+    def start(self) -> None:
+        self.log.append(f"start {self.name}")
+
+    def wait_ready(self, **_: object) -> None:
+        self.log.append(f"ready {self.name}")
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+
+
+def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
+    from spec_support import one_thread
+
+    from eaglenest.engines.embedded import EmbeddedEngine
+    from eaglenest.engines.serving import BackgroundServer
+    from eaglenest.speculative.live import bench_servers_together
+
+    runner, _, _, seqs, plens = spec_tiny
+    prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
+    engines = [EmbeddedEngine(runner, capture_dir=None) for _ in range(2)]
+    log: list[str] = []
+    try:
+        with one_thread(), BackgroundServer(engines[0]) as a, BackgroundServer(engines[1]) as b:
+            servers = {"baseline": _Started(a, log, "baseline"), "eagle3": _Started(b, log, "eagle3")}
+            res = bench_servers_together(servers, {"x": prompts[:2], "y": prompts[2:]}, [1, 2], rounds=2,
+                                         max_new_tokens=5, ignore_eos=True, warmup_requests=1)
+    finally:
+        for e in engines:
+            e.close()
+    # one after another (servers sharing a GPU size their memory from what is free), stopped in reverse
+    assert log == ["start baseline", "ready baseline", "start eagle3", "ready eagle3", "stop eagle3", "stop baseline"]
+    for name in servers:
+        assert list(res[name]) == ["x", "y"]
+        for r in res[name].values():
+            assert [lv.concurrency for lv in r.levels] == [1, 2] and set(r.round_tok_s) == {"1", "2"}
+            assert all(len(v) == 2 for v in r.round_tok_s.values())
+            # each round: requests_for(c, 1 prompt) = max(1, 2c) -> 2 at c=1, 4 at c=2; every token answered
+            assert [lv.requests for lv in r.levels] == [4, 8] and all(lv.errors == 0 for lv in r.levels)
+            assert [lv.output_tokens for lv in r.levels] == [20, 40]
