@@ -290,7 +290,7 @@ def run_rounds(
     Round r sends the r-th of ``rounds`` interleaved slices of the prompts (so every prompt once per server, as
     in one plain level, and both servers get the same prompts in each round) to every server, in reversed order
     every other round: a machine that speeds up or slows down during the run then weighs on both sides alike
-    (two separate servers timed minutes apart differed by up to 25% in their baselines on the H200). Each
+    (on the H200 the baseline of the same grid, one session apart, ran 12-68% faster). Each
     server's level pools the records and wall times of its rounds; the rounds' own tok/s are returned beside
     them (name -> (levels, {concurrency: [tok/s per round]}))."""
     if rounds < 1 or rounds > len(prompts):
