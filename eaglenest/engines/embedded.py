@@ -8,6 +8,12 @@ Owns request handling and batching for the embedded engine:
 - Concurrent prefill-only requests (``max_new_tokens == 0``) are batched by a single scheduler thread
   (length-sorted, bounded by batch size and padded tokens); generating requests run one by one with a
   KV cache.
+- The scheduler thread is the engine's torch thread: :meth:`EmbeddedEngine.load` builds the runner and
+  the greedy decoder on it, before it serves. Torch's CPU ops run on OpenMP, and a thread that ran a
+  parallel op keeps its own team of workers while it lives. Beside a second live team (the loading
+  thread's), decoding ran 1.8x slower on 2 cores, on one busy core; loading on a thread that had exited
+  cost nothing. The likely cause: with more OpenMP threads than cores the workers stop spin-waiting, so
+  each of a decode step's many small parallel regions waits for a worker to wake up.
 - With a capture folder, every request except those whose rid starts with
   ``contract.NO_CAPTURE_RID_PREFIX`` is captured in its prefill and written as one shard (atomic) by a
   writer pool; the HTTP answer is sent only after its shard is durable, and names the shard and
@@ -33,6 +39,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,14 +94,32 @@ class EmbeddedEngine:
     ``greedy_decoder`` (opt-in, e.g. eaglenest.speculative's EAGLE-3 decoder): an object with
     ``generate_greedy(input_ids, *, max_new_tokens, ignore_eos) -> Generation`` that serves greedy
     requests which are not captured; everything else runs on the runner.
+
+    Servers build with :meth:`load` (runner and decoder made on the scheduler thread); the constructor
+    takes a runner made elsewhere (tests, tools), which works but decodes slower when its thread ran
+    parallel torch ops (the module docstring says why).
     """
 
     def __init__(
         self, runner: TargetRunner, *, capture_dir: str | Path | None, settings: ServerSettings | None = None,
         greedy_decoder: Any = None,
     ) -> None:
-        self.runner = runner
-        self.greedy_decoder = greedy_decoder
+        self._start(lambda: (runner, greedy_decoder), capture_dir=capture_dir, settings=settings)
+
+    @classmethod
+    def load(
+        cls, build: Callable[[], tuple[TargetRunner, Any]], *, capture_dir: str | Path | None,
+        settings: ServerSettings | None = None,
+    ) -> EmbeddedEngine:
+        """An engine whose runner and greedy decoder (or None) ``build`` makes on the scheduler thread, so
+        every torch call of the engine runs on that one thread. Returns once they are built; raises what
+        ``build`` raised."""
+        engine = cls.__new__(cls)
+        engine._start(build, capture_dir=capture_dir, settings=settings)
+        return engine
+
+    def _start(self, build: Callable[[], tuple[TargetRunner, Any]], *, capture_dir: str | Path | None,
+               settings: ServerSettings | None) -> None:
         self.settings = settings or ServerSettings()
         self.capture_dir = Path(capture_dir) if capture_dir else None
         if self.capture_dir:
@@ -102,13 +127,27 @@ class EmbeddedEngine:
             removed = contract.clean_temporaries(self.capture_dir)
             if removed:
                 log.info("removed %d stale temporaries from %s", removed, self.capture_dir)
-        self.provenance = runner.provenance()
         self._queue: queue.Queue[Work | None] = queue.Queue()
         self._writer = cf.ThreadPoolExecutor(self.settings.writer_threads, thread_name_prefix="shard-writer")
         self._write_slots = threading.BoundedSemaphore(self.settings.max_pending_writes)
-        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.stats = {"requests": 0, "prefill_tokens": 0, "shards": 0, "shard_bytes": 0, "forwards": 0}
+        built: cf.Future = cf.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="scheduler", daemon=True)
         self._thread.start()
+        try:
+            self.runner, self.greedy_decoder = built.result()
+        except BaseException:
+            self._writer.shutdown(wait=False)
+            raise
+        self.provenance = self.runner.provenance()
+
+    def _run(self, build: Callable[[], tuple[TargetRunner, Any]], built: cf.Future) -> None:
+        try:
+            built.set_result(build())
+        except BaseException as e:  # the constructor re-raises it; the scheduler never starts
+            built.set_exception(e)
+            return
+        self._loop()
 
     # ---------------------------------------------------------------- scheduling
     def submit(self, work: Work) -> cf.Future:

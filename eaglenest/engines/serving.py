@@ -26,8 +26,9 @@ def build_engine(
     dtype: str = "auto",
     settings: ServerSettings | None = None,
 ) -> EmbeddedEngine:
-    runner = TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
-    return EmbeddedEngine(runner, capture_dir=capture_dir, settings=settings)
+    """The capture server's engine, its model loaded on the engine's scheduler thread."""
+    return EmbeddedEngine.load(lambda: (TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids), None),
+                               capture_dir=capture_dir, settings=settings)
 
 
 def serve(engine: EmbeddedEngine, *, host: str = "127.0.0.1", port: int = 30000, log_level: str = "warning") -> None:

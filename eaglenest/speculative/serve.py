@@ -27,6 +27,7 @@ from typing import Any
 from eaglenest.engines.runtime import Generation, TargetRunner
 from eaglenest.speculative.decoder import SpecDecoder, plain_greedy
 from eaglenest.speculative.onednn import OneDNN
+from eaglenest.speculative.target import decode_target
 from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
 
@@ -103,6 +104,7 @@ class PlainGreedy:
 
     def __init__(self, runner: TargetRunner, onednn: OneDNN) -> None:
         self.runner, self.onednn = runner, onednn
+        decode_target(runner.model, runner.aux_layer_ids)  # built now, on the caller's thread, not in a request
 
     def generate_greedy(self, input_ids: Sequence[int], *, max_new_tokens: int, ignore_eos: bool) -> Generation:
         g = plain_greedy(self.runner, input_ids, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
@@ -136,16 +138,21 @@ def load_spec_decoder(runner: TargetRunner, draft_dir: str | Path, *, shape: Spe
 def build_bench_engine(model_dir: str | Path, *, draft_dir: str | Path | None = None,
                        shape: SpecShape | str | None = None, dtype: str = "auto", onednn: str = "onednn"):
     """An embedded engine (no capture) serving greedy requests plainly or with EAGLE-3 (``shape``
-    None: the measured best shape)."""
+    None: the measured best shape). The target, the drafter and their prepacked weights are made on the
+    engine's scheduler thread, where they decode (:meth:`EmbeddedEngine.load` says why)."""
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.speculative.draft import draft_aux_layer_ids
 
     policy = _policy(onednn)
     aux = draft_aux_layer_ids(draft_dir) if draft_dir else None
-    runner = TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux)
-    decoder: Any = (SpecGreedy(load_spec_decoder(runner, draft_dir, shape=shape, onednn=policy))
-                    if draft_dir else PlainGreedy(runner, policy))
-    return EmbeddedEngine(runner, capture_dir=None, greedy_decoder=decoder)
+
+    def build() -> tuple[TargetRunner, Any]:
+        runner = TargetRunner(model_dir, dtype=dtype, aux_layer_ids=aux)
+        if draft_dir:
+            return runner, SpecGreedy(load_spec_decoder(runner, draft_dir, shape=shape, onednn=policy))
+        return runner, PlainGreedy(runner, policy)
+
+    return EmbeddedEngine.load(build, capture_dir=None)
 
 
 def _policy(name: str) -> OneDNN:

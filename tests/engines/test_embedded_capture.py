@@ -203,3 +203,44 @@ def test_a_reused_rid_answers_from_its_shard_or_409_and_the_client_stops(capture
     f = res.failures["again"]  # terminal for that sample, named, sent once; the rest goes on
     assert (f.kind, f.reason, f.status, f.attempts) == ("terminal", "conflict", 409, 1) and "'again'" in f.message
     assert set(res.answers) == {"fresh"} and res.stats.requests == 2
+
+
+def test_load_builds_on_the_scheduler_thread_and_serves_from_it(tiny_runner):
+    """Every torch call of a loaded engine runs on its scheduler thread: the build too (a second OpenMP team,
+    the loading thread's, slows small decode steps on a small CPU)."""
+    import threading
+
+    from eaglenest.engines.embedded import EmbeddedEngine, Work
+
+    threads = []
+
+    class Recording:
+        def generate_greedy(self, input_ids, *, max_new_tokens, ignore_eos):
+            threads.append(threading.current_thread())
+            return tiny_runner.generate(input_ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                                        ignore_eos=ignore_eos)
+
+    def build():
+        threads.append(threading.current_thread())
+        return tiny_runner, Recording()
+
+    engine = EmbeddedEngine.load(build, capture_dir=None)
+    try:
+        result, shard = engine.submit(Work(rid="r", input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0,
+                                           ignore_eos=True)).result(timeout=60)
+    finally:
+        engine.close()
+    assert threads == [engine._thread, engine._thread] and engine._thread is not threading.current_thread()
+    assert engine.runner is tiny_runner and shard is None
+    assert result.output_ids == tiny_runner.generate([5, 6, 7], max_new_tokens=4, temperature=0.0,
+                                                     ignore_eos=True).output_ids
+
+
+def test_load_raises_what_the_build_raised():
+    from eaglenest.engines.embedded import EmbeddedEngine
+
+    def build():
+        raise FileNotFoundError("no model at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        EmbeddedEngine.load(build, capture_dir=None)

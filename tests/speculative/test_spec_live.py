@@ -116,6 +116,35 @@ def test_embedded_eagle3_server_reports_like_sglang(spec_tiny):
     assert info["speculative_algorithm"] == "EAGLE3" and server_accept_length(info) > 1.2
 
 
+def test_bench_engine_builds_target_and_drafter_on_its_scheduler_thread(spec_tiny, tiny_model_dir, monkeypatch):
+    """``bench serve``'s engine: the target, the drafter and their prepacked weights are made on the thread
+    that decodes; the output stays the target's greedy tokens."""
+    import threading
+
+    from eaglenest.engines.embedded import Work
+    from eaglenest.speculative import serve
+    from eaglenest.speculative.decoder import plain_greedy
+
+    runner, _, fitted, seqs, plens = spec_tiny
+    made_on = []
+
+    class Recorded(serve.TargetRunner):
+        def __init__(self, *args, **kwargs):
+            made_on.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "TargetRunner", Recorded)
+    engine = serve.build_bench_engine(tiny_model_dir, draft_dir=fitted, shape="chain3", dtype="float32")
+    try:
+        result, _ = engine.submit(Work(rid="r", input_ids=seqs[0][: plens[0]], max_new_tokens=12, temperature=0.0,
+                                       ignore_eos=True)).result(timeout=60)
+    finally:
+        engine.close()
+    assert made_on == [engine._thread] and result.spec_verify_ct > 0
+    assert result.output_ids == plain_greedy(runner, seqs[0][: plens[0]], max_new_tokens=12,
+                                             ignore_eos=True).output_ids
+
+
 class _StartedElsewhere:
     """A ServerProcess stand-in for a server already running at ``url``: counts starts and stops."""
 
