@@ -102,6 +102,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.rounds > 1 and (a.only or a.baseline_json or a.requests_per_level):
         ap.error("--rounds measures both servers together: no --only, --baseline-json or --requests-per-level")
+    if a.only == "eagle3" and not a.baseline_json:
+        ap.error("--only eagle3 needs --baseline-json (the baseline it is compared with)")
     out = Path(os.environ.get("OUT", "/tmp/out"))
     steps = [int(x) for x in a.steps.split(",")]
     base = dict(engine="sglang", model=a.model, draft=a.draft, topk=a.topk, num_prompts=a.num_prompts,
@@ -117,6 +119,9 @@ def main() -> int:
     print(f"GPU: {gpu_name()}; prompt sets: " + ", ".join(f"{n} x{len(p.token_ids)}" for n, p in sets.items()),
           flush=True)
     token_ids = {n: p.token_ids for n, p in sets.items()}
+    fewest = min(len(t) for t in token_ids.values())
+    if a.rounds > fewest:
+        ap.error(f"--rounds {a.rounds}: a prompt set has only {fewest} prompts (each round needs one)")
 
     def cfg_for(name: str, k: int) -> BenchConfig:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
@@ -129,9 +134,11 @@ def main() -> int:
 
     def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
         """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
-        places = sglang_placements(a.sglang_arg, num_servers=2, gpus=1)
-        cfgs = [cfg_for(next(iter(sets)), k).model_copy(update={"mem_fraction_static": p.mem_fraction_static})
-                for p in places]
+        args = [*a.sglang_arg, *(["--mem-fraction-static", str(a.mem_fraction_static)] if a.mem_fraction_static
+                                 else [])]  # the total the two hold together
+        cfgs = [BenchConfig(**{**base, "mem_fraction_static": None, "sglang_args": place.flags(args)}, num_steps=k,
+                            num_draft_tokens=a.draft_tokens, prompt_file=files[0])
+                for place in sglang_placements(args, num_servers=2, gpus=1)]
         cmds = [server_commands(cfgs[0], a.port)[0], server_commands(cfgs[1], a.port + 1)[1]]
         labels = ["baseline", f"eagle3@{k}"]
         for label, cmd in zip(labels, cmds, strict=True):

@@ -262,7 +262,8 @@ print(os.path.basename(os.path.dirname(runs[0])) if runs else 'none')")
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency 1,16 --steps "${STEPS:-3}" \
       --max-new-tokens 256 "${base[@]}" || echo "grid $name exited $?" >&2
-    cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
+    # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
+    [ "${ROUNDS:-1}" != 1 ] || cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
     if [ "${CALIB:-0}" = 1 ]; then

@@ -136,7 +136,8 @@ class EmbeddedEngine:
         self._thread.start()
         try:
             self.runner, self.greedy_decoder = built.result()
-        except BaseException:
+        except BaseException:  # the build failed, or an interrupt came while waiting for it
+            self._queue.put(None)  # a build that still finishes then ends its scheduler at once
             self._writer.shutdown(wait=False)
             raise
         self.provenance = self.runner.provenance()

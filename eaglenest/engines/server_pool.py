@@ -78,6 +78,7 @@ class ServerPool:
     _records: ServerRecords | None = field(default=None, init=False)
     _serving: threading.Event = field(default_factory=threading.Event, init=False)
     _joins: list[Callable[[str], None]] = field(default_factory=list, init=False)
+    _unannounced: list[_Owned] = field(default_factory=list, init=False)
     _t0: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
@@ -103,15 +104,27 @@ class ServerPool:
         with self._lock:
             return [o.process.url for o in self._owned if o.process is not None and o.state == "ready"]
 
+    def live_urls(self) -> list[str]:
+        """The given URLs, or those of the launched servers starting or ready (not failed, retired or replaced)."""
+        if self.urls_given:
+            return self.urls
+        with self._lock:
+            return [o.process.url for o in self._owned
+                    if o.process is not None and o.state in ("launching", "ready")]
+
     def pids(self) -> list[int]:
         return [o.process.pid for o in self._owned
                 if o.process is not None and o.process.pid is not None and o.process.alive()]
 
     def on_join(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(url)`` (on a launch thread) for each server that becomes ready after :meth:`start`
-        returned (``join_late``); an exception in it retires that server."""
+        returned (``join_late``); an exception in it retires that server. A server that became ready before
+        the first callback was registered waits (not among :attr:`urls`) and is announced now, on this thread."""
         with self._lock:
             self._joins.append(callback)
+            waiting, self._unannounced = self._unannounced, []
+        for owned in waiting:
+            self._announce(owned)
 
     def start(self) -> list[str]:
         if self.urls_given:
@@ -163,15 +176,16 @@ class ServerPool:
         for owned in queue:  # the next starts only once the previous is ready; a failure starts no more
             try:
                 self._launch(owned, join=self.join_late)
-            except LaunchError as e:
+            except Exception as e:
                 with self._lock:
+                    owned.state = "failed"
                     if not (self.join_late and self._serving.is_set()):
                         raise
                     if self._closing:  # the pool is stopping: a launch cut short is no failure
                         return
                     self.late_failures.append(f"{owned.spec.name}: {e}")
                 if owned.process is not None:
-                    owned.process.stop()
+                    self._stop_one(owned.process)
                 return
 
     def _launch(self, owned: _Owned, *, join: bool = False) -> None:
@@ -194,19 +208,28 @@ class ServerPool:
         with self._lock:
             self.ready_after_s.setdefault(owned.spec.name, round(time.monotonic() - self._t0, 1))
             late = join and self._serving.is_set()
-            callbacks = list(self._joins) if late else []
             if not late:
                 owned.state = "ready"
                 self._serving.set()
+                return
+            if not self._joins:  # nobody to take it yet: on_join announces it
+                self._unannounced.append(owned)
+                return
+        self._announce(owned)
+
+    def _announce(self, owned: _Owned) -> None:
+        """Hand a late server to every join callback; ready once all took it, retired when one refused."""
+        with self._lock:
+            callbacks = list(self._joins)
+        url = owned.process.url if owned.process is not None else ""
         for cb in callbacks:
             try:
-                cb(proc.url)
+                cb(url)
             except Exception as e:  # the joiner refused it: it serves nobody, so it goes
-                self.retire(proc.url, f"refused when joining: {e}")
+                self.retire(url, f"refused when joining: {e}")
                 return
-        if late:
-            with self._lock:
-                owned.state = "ready"
+        with self._lock:
+            owned.state = "ready"
 
     def retire(self, url: str, why: str) -> None:
         """Stop a launched server that must not take work (e.g. it serves other numerics than the pool)."""
@@ -232,7 +255,8 @@ class ServerPool:
     def revive(self) -> int:
         """Relaunch owned servers that died or stopped answering, one after another in spec order (so servers
         of one launch group restart in their first order); returns how many answer now. A server still in its
-        first launch (``join_late``), never started after its group failed, or retired, is left alone.
+        first launch (``join_late``), never started after its group failed, retired, or of a launch group with a
+        server still starting, is left alone; with ``join_late`` a relaunched one joins like a late one.
 
         A relaunch runs the spec's command again, so a server sharing a GPU keeps the memory fraction it was
         first given (:func:`sglang_placements`). That is safe whichever of them died: SGLang holds that fraction
@@ -251,18 +275,24 @@ class ServerPool:
             if p is not None and p.alive() and self.ready(p.url):
                 healthy += 1
                 continue
-            if o.relaunches >= self.max_relaunches:
+            if o.relaunches >= self.max_relaunches or self._group_launching(o):
                 continue
             if p is not None:
                 self._stop_one(p)
             o.relaunches += 1
             try:
-                self._launch(o)
-                healthy += 1
+                self._launch(o, join=self.join_late)  # a late joiner is vetted like the first time
+                healthy += o.state == "ready"
             except LaunchError:
                 if o.process is not None:
                     self._stop_one(o.process)
         return healthy
+
+    def _group_launching(self, owned: _Owned) -> bool:
+        """Whether another server of its launch group is still starting (two would size their memory at once)."""
+        g = owned.spec.launch_group
+        return g is not None and any(o is not owned and o.spec.launch_group == g and o.state == "launching"
+                                     for o in self._owned)
 
     @property
     def relaunches(self) -> int:

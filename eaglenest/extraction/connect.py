@@ -8,7 +8,9 @@ serialized), :func:`make_pool` (given URLs or launched servers recorded in ``ser
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -38,8 +40,12 @@ class RunContext:
     encoder: ChatEncoder | None = None
     lm_head: torch.Tensor | None = None
     regen_config: RegenConfig | None = None
+    servers: list[str] = field(default_factory=list)
+    """The servers that passed the preflight (the first ones, then each late joiner): each round's client."""
     client: EngineClient | None = None
     """The round in progress's client (None between rounds): a server that joins late is handed to it."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``servers`` and ``client`` (a late server is admitted on a launch thread)."""
 
 
 # ------------------------------------------------------------------------------ servers
@@ -95,7 +101,8 @@ def make_pool(ext: Extraction) -> ServerPool:
 def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTransport | None = None) -> RunContext:
     """Preflight the servers against the run and the extraction's pinned provenance."""
     p = ext.params
-    pf = _preflight(ext, pool.urls)
+    urls = pool.urls
+    pf = _preflight(ext, urls)
     fp = ext.fingerprint
     expect = Expectation(aux_layer_ids=ext.aux_layer_ids, hidden_size=ext.hidden_size, num_layers=ext.num_layers,
                          model_hash=fp["model_hash"], tokenizer_hash=fp["tokenizer_hash"],
@@ -121,7 +128,7 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
     client = ClientConfig(concurrency=p.concurrency, timeout_s=p.request_timeout_s, max_attempts=p.max_attempts,
                           backoff_s=p.backoff_s, backoff_max_s=max(p.backoff_s, 15.0),
                           lanes=((CAPTURE_LANE, p.capture_lane),) if p.capture_lane else ())
-    ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit,
+    ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit, servers=list(urls),
                      client_config=client, validate_config=ValidateConfig(
                          shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement),
                      transport=transport)
@@ -143,20 +150,48 @@ def _preflight(ext: Extraction, urls: list[str]) -> Preflight:
                      hidden_size=ext.hidden_size)
 
 
-def admit(ext: Extraction, ctx: RunContext, url: str) -> None:
+def admit(ext: Extraction, ctx: RunContext, url: str, *, attempts: int = 3, pause_s: float = 2.0) -> None:
     """A server that became ready after the run started: the same preflight as the first ones', held to the
-    run's pinned provenance and prompt limit, then it takes work in the round in progress (raises
-    PreflightError for a server that must not: the pool retires it)."""
-    pf = _preflight(ext, [url])
+    run's pinned provenance and prompt limit, then it takes work in the round in progress (or the next). Raises
+    PreflightError for a server that must not (the pool retires it); a server that does not answer the
+    preflight is asked ``attempts`` times first."""
+    for attempt in range(attempts):
+        try:
+            pf = _preflight(ext, [url])
+            break
+        except (PreflightError, httpx.HTTPError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(pause_s)
     if pf.provenance is not None and ctx.expect.provenance is not None:
         diff = ctx.expect.mismatches(pf.provenance)
         if diff:
             raise PreflightError(f"{url} serves other numerics than the run's servers: {'; '.join(diff)}")
     if pf.context_length and pf.context_length - max(1, ext.params.context_headroom) < ctx.max_prompt_tokens:
         raise PreflightError(f"{url} has a context of {pf.context_length} tokens, less than the run's prompts need")
-    ctx.capture_dirs = (*ctx.capture_dirs, *(d for d in pf.capture_dirs if d not in ctx.capture_dirs))
-    client = ctx.client
-    if client is not None:
-        client.add_server(url)
+    with ctx.lock:
+        ctx.capture_dirs = (*ctx.capture_dirs, *(d for d in pf.capture_dirs if d not in ctx.capture_dirs))
+        if url not in ctx.servers:
+            ctx.servers.append(url)
+        if ctx.client is not None:
+            ctx.client.add_server(url)
 
 
+def round_client(ctx: RunContext) -> EngineClient:
+    """The client of a round: every admitted server; a server admitted while it runs joins it."""
+    with ctx.lock:
+        ctx.client = EngineClient(list(ctx.servers), config=ctx.client_config, transport=ctx.transport)
+        return ctx.client
+
+
+def end_round(ctx: RunContext) -> None:
+    with ctx.lock:
+        ctx.client = None
+
+
+def after_revive(ctx: RunContext) -> None:
+    """The servers of the next round after :meth:`ServerPool.revive`: the dead ones' URLs dropped, relaunched
+    ones taken (with ``join_late`` they were admitted as they came up; otherwise, as before, without a preflight)."""
+    live = ctx.pool.live_urls()
+    with ctx.lock:
+        ctx.servers = [u for u in ctx.servers if u in live] + [u for u in ctx.pool.urls if u not in ctx.servers]

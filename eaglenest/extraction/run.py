@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from eaglenest.data.samples import Sample
 from eaglenest.engines import ENV_PROFILE_DIR
 from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
-from eaglenest.extraction.connect import RunContext, connect, make_pool
+from eaglenest.extraction.connect import RunContext, after_revive, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
 from eaglenest.extraction.stream import VALIDATE_THREAD, Phases, RoundResult, problem, stream, validate_step
 from eaglenest.extraction.validate import CHECK_THREADS
@@ -122,12 +123,23 @@ def quick_gil_handoff(interval_s: float = GIL_SWITCH_S) -> Iterator[None]:
     at 5 ms, 80 at 1 ms, 128 at 0.5 ms, while the spinning thread lost 0-26% at 1 ms and 15-41% at 0.5 ms (on 2
     cores it also loses CPU time to the checks). 1 ms keeps most of the gain at a small cost to the request loop.
     Restored afterwards."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval_s))
+    with _handoff_lock:
+        if not _handoff_users:
+            _handoff_before[:] = [sys.getswitchinterval()]
+            sys.setswitchinterval(min(_handoff_before[0], interval_s))
+        _handoff_users.append(1)
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _handoff_lock:
+            _handoff_users.pop()
+            if not _handoff_users:  # the last of overlapping extractions (threads of one process) restores it
+                sys.setswitchinterval(_handoff_before[0])
+
+
+_handoff_lock = threading.Lock()
+_handoff_users: list[int] = []
+_handoff_before: list[float] = []
 
 
 def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float,
@@ -184,6 +196,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                 todo = r.retry
                 if not todo or round_no == params.max_relaunch_rounds or pool.revive() == 0:
                     break
+                after_revive(ctx)
             _give_up(counts, todo)
             if requeue:  # invalid shards, once more
                 _give_up(counts, round_(requeue, allow_requeue=False).retry)

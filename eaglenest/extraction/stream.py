@@ -31,7 +31,7 @@ from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.client import Answer, EngineClient, Failure, Job
-from eaglenest.extraction.connect import RunContext
+from eaglenest.extraction.connect import RunContext, end_round, round_client
 from eaglenest.extraction.prefill import CAPTURE_LANE, capture_request, check_capture_answer
 from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
 from eaglenest.extraction.state import (
@@ -322,12 +322,11 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             else:
                 jobs += capture(s)
         if jobs:
-            client = EngineClient(ctx.pool.urls, config=ctx.client_config, transport=ctx.transport)
-            ctx.client = client  # servers that become ready meanwhile join it (connect.admit)
+            client = round_client(ctx)  # servers admitted meanwhile join it (connect.admit)
             try:
                 run_sync(lambda: client.run(jobs, on_outcome=on_outcome))
             finally:
-                ctx.client = None
+                end_round(ctx)
         ok = True
     finally:
         for log in (answers_log, regen_log):

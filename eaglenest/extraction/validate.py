@@ -173,8 +173,9 @@ def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans:
 # thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server. And each
 # numpy call hands the GIL back and waits to take it again: beside a thread busy in Python (the request loop)
 # that wait is up to the interpreter's switch interval, so the checks make as few calls as they can.
-_SQUARES = threading.local()
-"""Each check thread's float32 buffer for one tensor's squares, reused from shard to shard."""
+_SQUARES: list[np.ndarray] = []
+"""Float32 buffers for one tensor's squares, taken by a check and given back (each batch has its own threads)."""
+_SQUARES_LOCK = threading.Lock()
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -183,14 +184,19 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 def _block_sums(bits: np.ndarray, width: int) -> np.ndarray:
     """Sum of squares (float32) of each ``width`` consecutive values of bf16 bits [T, n * width] -> [T * n], in
-    three numpy calls over this thread's reused buffer (0.5 ms for a 615-token shard's aux states here)."""
+    three numpy calls over a reused buffer (0.5 ms for a 615-token shard's aux states here)."""
     n = bits.size
-    buf = getattr(_SQUARES, "buf", None)
+    with _SQUARES_LOCK:
+        buf = _SQUARES.pop() if _SQUARES else None
     if buf is None or buf.size < n:
-        buf = _SQUARES.buf = np.empty(max(n, 1 << 21), dtype=np.uint32)
-    f = np.left_shift(bits.reshape(-1), 16, out=buf[:n], dtype=np.uint32).view(np.float32)  # bf16 -> f32 exactly
-    np.multiply(f, f, out=f)
-    return f.reshape(-1, width).sum(-1, dtype=np.float32)
+        buf = np.empty(max(n, 1 << 21), dtype=np.uint32)
+    try:
+        f = np.left_shift(bits.reshape(-1), 16, out=buf[:n], dtype=np.uint32).view(np.float32)  # bf16 -> f32, exact
+        np.multiply(f, f, out=f)
+        return f.reshape(-1, width).sum(-1, dtype=np.float32)
+    finally:
+        with _SQUARES_LOCK:
+            _SQUARES.append(buf)
 
 
 def _nonfinite(bits: np.ndarray) -> tuple[int, int] | None:

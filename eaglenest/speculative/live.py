@@ -266,18 +266,28 @@ def bench_server_sets(
         startup = time.monotonic() - t0
         for set_name, prompts in prompt_sets.items():
             if warmup_requests and not results:  # the first set warms the server for all
-                run_levels(server.url, prompts, [min(warmup_requests, max(concurrencies))],
-                           max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, requests_per_level=warmup_requests,
-                           timeout_s=timeout_s, tag="warmup")
+                _warm(server, prompts, warmup_requests, concurrencies, max_new_tokens=max_new_tokens,
+                      ignore_eos=ignore_eos, timeout_s=timeout_s)
             levels = run_levels(server.url, prompts, concurrencies, max_new_tokens=max_new_tokens,
                                 ignore_eos=ignore_eos, requests_per_level=requests_per_level, timeout_s=timeout_s,
                                 tag=name, progress=(lambda lv: progress(name, lv)) if progress else None)
-            info = server_info(server.url)
-            results[set_name] = ServerResult(
-                name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
-                startup_s=startup, info={k: v for k, v in info.items() if not isinstance(v, dict | list)
-                                         or k == "internal_states"})
+            results[set_name] = _result(name, server, levels, startup)
     return results
+
+
+def _warm(server: ServerProcess, prompts: Sequence[list[int]], requests: int, concurrencies: Sequence[int], *,
+          max_new_tokens: int, ignore_eos: bool, timeout_s: float) -> None:
+    run_levels(server.url, prompts, [min(requests, max(concurrencies))], max_new_tokens=max_new_tokens,
+               ignore_eos=ignore_eos, requests_per_level=requests, timeout_s=timeout_s, tag="warmup")
+
+
+def _result(name: str, server: ServerProcess, levels: list[LevelResult], startup_s: float,
+            round_tok_s: dict[str, list[float]] | None = None) -> ServerResult:
+    """A server's result on one prompt set, with its ``/get_server_info`` scalars and internal states."""
+    info = server_info(server.url)
+    kept = {k: v for k, v in info.items() if not isinstance(v, dict | list) or k == "internal_states"}
+    return ServerResult(name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
+                        startup_s=startup_s, round_tok_s=round_tok_s or {}, info=kept)
 
 
 def run_rounds(
@@ -287,12 +297,14 @@ def run_rounds(
 ) -> dict[str, tuple[list[LevelResult], dict[str, list[float]]]]:
     """Every concurrency level on every server (``urls``: name -> URL), in ``rounds`` alternating rounds.
 
-    Round r sends the r-th of ``rounds`` interleaved slices of the prompts (so every prompt once per server, as
-    in one plain level, and both servers get the same prompts in each round) to every server, in reversed order
-    every other round: a machine that speeds up or slows down during the run then weighs on both sides alike
-    (on the H200 the baseline of the same grid, one session apart, ran 12-68% faster). Each
-    server's level pools the records and wall times of its rounds; the rounds' own tok/s are returned beside
-    them (name -> (levels, {concurrency: [tok/s per round]}))."""
+    Round r sends the r-th of ``rounds`` interleaved slices of the prompts to every server, the same requests to
+    each, in reversed order every other round (an even ``rounds`` lets each server lead as often): a machine that
+    speeds up or slows down during the run then weighs on both sides alike (on the H200 the baseline of the same
+    grid, one session apart, ran 12-68% faster). A round sends ``requests_for(c, slice)`` requests, at least 2c
+    (the slice's prompts reused round-robin), so that it runs mostly at full concurrency: at high concurrency the
+    rounds send more requests in all than one plain level does. Each server's level pools the records and wall
+    times of its rounds; the rounds' own tok/s are returned beside them (name -> (levels, {concurrency: [tok/s
+    per round]}))."""
     if rounds < 1 or rounds > len(prompts):
         raise ValueError(f"rounds must be between 1 and the number of prompts ({len(prompts)}), got {rounds}")
     names = list(urls)
@@ -339,20 +351,15 @@ def bench_servers_together(
             stack.enter_context(launched(server, timeout_s=ready_timeout_s, ready=ready, records=records))
             startup[name] = time.monotonic() - t0
             if warmup_requests:
-                first = next(iter(prompt_sets.values()))
-                run_levels(server.url, first, [min(warmup_requests, max(concurrencies))], max_new_tokens=max_new_tokens,
-                           ignore_eos=ignore_eos, requests_per_level=warmup_requests, timeout_s=timeout_s, tag="warmup")
+                _warm(server, next(iter(prompt_sets.values())), warmup_requests, concurrencies,
+                      max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s)
         for set_name, prompts in prompt_sets.items():
             got = run_rounds({n: s.url for n, s in servers.items()}, prompts, concurrencies, rounds=rounds,
                              max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
                              progress=progress)
             for name, server in servers.items():
-                info = server_info(server.url)
                 levels, per_round = got[name]
-                results[name][set_name] = ServerResult(
-                    name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
-                    startup_s=startup[name], round_tok_s=per_round,
-                    info={k: v for k, v in info.items() if not isinstance(v, dict | list) or k == "internal_states"})
+                results[name][set_name] = _result(name, server, levels, startup[name], per_round)
     return results
 
 

@@ -290,3 +290,34 @@ def test_join_late_a_server_refused_when_joining_is_retired_and_never_relaunched
         assert pool.late_failures == ["s1: refused when joining: serves other numerics"]
         assert pool.urls == ["http://fake/s0"] and not pool._owned[1].process.alive()
         assert pool.revive() == 1 and pool.relaunches == 0
+
+
+def test_join_late_a_server_ready_before_anyone_listens_waits_for_on_join():
+    """The run registers its joiner only after its preflight of the first servers: one ready meanwhile is not
+    served unvetted (not among urls) and is announced when the joiner comes."""
+    pool, _ = late_pool([FakeServer, FakeServer], {})
+    with pool:
+        deadline = time.monotonic() + 5
+        while "s1" not in pool.ready_after_s and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.urls == ["http://fake/s0"] and "http://fake/s1" in pool.live_urls()
+        joined: list[str] = []
+        pool.on_join(joined.append)
+        assert joined == ["http://fake/s1"] and pool.urls == ["http://fake/s0", "http://fake/s1"]
+
+
+def test_revive_waits_while_a_server_of_the_same_gpu_is_still_starting():
+    release = threading.Event()
+    pool, _ = late_pool([FakeServer, FakeServer], {"s1": lambda: release.wait(5)})
+    try:
+        pool.start()
+        pool._owned[0].process.stop()  # s0 dies while s1 (same GPU) is sizing its memory
+        assert pool.revive() == 0 and pool.relaunches == 0  # no second launch beside it
+        release.set()
+        deadline = time.monotonic() + 5
+        while "s1" not in pool.ready_after_s and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pool.on_join(lambda url: None)  # s1 joins; now s0 may start again
+        assert pool.revive() == 2 and pool.relaunches == 1
+    finally:
+        pool.stop()

@@ -272,10 +272,11 @@ def test_the_run_starts_on_the_first_ready_server_and_the_next_joins_it(tiny_ext
 
     pool = ServerPool(specs=[LaunchSpec(f"t{i}", make, launch_group="gpu-0") for i in range(2)],
                       launch_timeout_s=30, join_late=True)
+    before = sys.getswitchinterval()
     report = run_extraction(params, pool=pool)
     assert_complete_and_exact(report, ext.dir)
     assert first_answered[0] >= 6  # the run did not wait for the second server
-    assert set(switch) == {GIL_SWITCH_S} and sys.getswitchinterval() == 0.005  # quick GIL handoffs, then restored
+    assert set(switch) == {min(before, GIL_SWITCH_S)} and sys.getswitchinterval() == before  # quick, then restored
     computed = [s.engine.stats["requests"] - 1 for s in launched]  # minus each readiness probe
     assert sum(computed) == report["samples"] and computed[1] > 0  # the late one took a share, none redone
     ready = report["run"]["servers"]["ready_after_s"]
