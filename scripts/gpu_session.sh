@@ -73,6 +73,24 @@ copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-onl
   mkdir -p /tmp/gpu-logs && find .gpu-logs -maxdepth 1 -type f -exec cp -f -t /tmp/gpu-logs/ {} + && ls -la /tmp/gpu-logs
 }
 
+# Triton's compiled kernels (SGLang's attention and the CUDA-graph capture): on a fresh machine the first launch
+# spent 85 s capturing decode graphs, mostly compiling, where a warm one took 9 s. `data` brings the cache back
+# ($OUT/triton-cache.tar.xz, when it fits one file) and a later session carries it in .gpu-logs (setup or data).
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+restore_kernels() {
+  local f; for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do
+    if [ -f "$f" ] && [ ! -d "$TRITON_CACHE" ]; then
+      mkdir -p "$TRITON_CACHE" && tar -C "$TRITON_CACHE" -xJf "$f" && echo "triton cache: $(du -sh "$TRITON_CACHE" | cut -f1) from $f"
+    fi
+  done
+}
+save_kernels() {
+  [ -d "$TRITON_CACHE" ] || return 0
+  tar -C "$TRITON_CACHE" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz || return 0
+  if [ "$(stat -c %s /tmp/triton-cache.tar.xz)" -le 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/"
+  else echo "triton cache $(stat -c %s /tmp/triton-cache.tar.xz) B: too big to bring back" >&2; fi
+}
+
 case "$STEP" in
 setup)
   mkdir -p /tmp/smol; if [ -d .device/gguf1 ]; then cp .device/gguf1/smol.part00 /tmp/smol/; fi; ls -la /tmp/smol
@@ -80,12 +98,14 @@ setup)
   # call: the target's answers of an earlier session (regen-logs-TAG.tar.xz.part*) and prompt packs (*.jsonl.xz,
   # found by SOURCE like those of .gpu)
   copy_logs
+  restore_kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
   copy_logs  # a pack or earlier answers may come with this call too, when it has room (no gguf2)
+  restore_kernels
   src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
@@ -147,6 +167,7 @@ data)
     { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph" "$f" || true; } \
       | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
   done
+  save_kernels
   # the answers come back (small next to the shards) so that the next session captures them without regenerating
   (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
     | split -b 15M - "$OUT/regen-logs-$tag.tar.xz.part" || true
