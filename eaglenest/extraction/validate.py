@@ -127,8 +127,12 @@ ArgmaxItem = tuple[torch.Tensor, torch.Tensor, Sequence[tuple[int, int]]]
 """(final_hidden [T, H], input_ids [T], loss spans) of one sample."""
 
 
+ARGMAX_GROUP_ROWS = 1 << 16
+"""Answer positions sent to the LM head's device in one copy (and, in validation, checked in one pass)."""
+
+
 def argmax_agreements(items: Sequence[ArgmaxItem], lm_head: torch.Tensor, *, chunk: int = 1024,
-                      group_rows: int = 1 << 16) -> list[tuple[int, int]]:
+                      group_rows: int = ARGMAX_GROUP_ROWS) -> list[tuple[int, int]]:
     """(matches, positions) per item: argmax(lm_head @ final_hidden[t]) == input_ids[t + 1] for t + 1 in a span.
 
     The items' rows go to ``lm_head``'s device in one copy per ``group_rows`` rows and their hits come back in
@@ -335,10 +339,21 @@ def validate_batch(
             return e
         return data, shard, stats, contract.sha256_bytes(data)
 
+    results: list = []
     with cf.ThreadPoolExecutor(max(1, min(config.workers, len(samples))), thread_name_prefix=CHECK_THREADS) as pool:
-        results = list(pool.map(check_one, samples))
-    if lm_head is not None:
-        _check_argmax(samples, results, lm_head, config)
+        # the argmax of each group of checked regenerated samples runs here while the pool checks the next ones
+        todo: list[int] = []
+        rows = 0
+        for i, res in enumerate(pool.map(check_one, samples)):
+            results.append(res)
+            if lm_head is not None and samples[i].regenerated and isinstance(res, tuple):
+                todo.append(i)
+                rows += sum(b - max(a, 1) for a, b in samples[i].loss_spans if b > max(a, 1))
+                if rows >= ARGMAX_GROUP_ROWS:
+                    _check_argmax(samples, results, todo, lm_head, config)
+                    todo, rows = [], 0
+        if todo:
+            _check_argmax(samples, results, todo, lm_head, config)
     checked: list[tuple[Sample, Path, bytes, dict, str]] = []
     for s, res in zip(samples, results, strict=True):
         path = found[s.sample_id]
@@ -372,12 +387,10 @@ def validate_batch(
     return out
 
 
-def _check_argmax(samples: Sequence[Sample], results: list, lm_head: torch.Tensor, config: ValidateConfig) -> None:
-    """The LM-head argmax check of the regenerated samples whose other checks passed, in one batched pass;
-    a sample below the floor becomes an InvalidShard in ``results``."""
-    todo = [i for i, (s, r) in enumerate(zip(samples, results, strict=True)) if s.regenerated and isinstance(r, tuple)]
-    if not todo:
-        return
+def _check_argmax(samples: Sequence[Sample], results: list, todo: Sequence[int], lm_head: torch.Tensor,
+                  config: ValidateConfig) -> None:
+    """The LM-head argmax check of the regenerated samples ``todo`` (their other checks passed), in one batched
+    pass; a sample below the floor becomes an InvalidShard in ``results``."""
     agree = argmax_agreements([(results[i][1].final_hidden, results[i][1].input_ids, samples[i].loss_spans)
                                for i in todo], lm_head)
     for i, (hit, n) in zip(todo, agree, strict=True):

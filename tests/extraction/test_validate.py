@@ -192,6 +192,32 @@ def test_argmax_of_many_samples_in_one_pass_equals_each_alone():
         assert argmax_agreements(items, lm_head, chunk=chunk, group_rows=group_rows) == alone
 
 
+def test_validation_checks_the_argmax_group_by_group_as_the_pool_checks_on(tmp_path, monkeypatch):
+    """The argmax of checked regenerated samples runs in groups while the pool checks the rest: every sample gets
+    the agreement it gets alone, and one below the floor is refused, whichever group it falls in."""
+    import eaglenest.extraction.validate as v
+
+    monkeypatch.setattr(v, "ARGMAX_GROUP_ROWS", 7)  # 6 positions per sample: a group every 2 samples
+    g = torch.Generator().manual_seed(2)
+    lm_head = torch.eye(H) + 0.01 * torch.randn(H, H, generator=g)
+    items, expected = [], {}
+    for i in range(7):
+        s = sample(f"r{i}x" + "y" * i, t=8, regenerated=i != 3)  # one plain capture among them
+        ids = torch.tensor(s.input_ids.tolist())
+        final = torch.zeros(8, H)
+        final[:-1] = lm_head[ids[1:]]
+        final[2 : 2 + i % 3] = lm_head[0]  # 0, 1 or 2 wrong predictions
+        items.append((s, shard_bytes(s, final=final)))
+        if s.regenerated:
+            expected[s.sample_id] = round(argmax_agreement(final.to(torch.bfloat16), ids, s.loss_spans, lm_head)[0]
+                                          / 6, 4)
+    res = check(tmp_path, items, lm_head=lm_head, config=ValidateConfig(shard_wait_s=0, min_argmax_agreement=0.7))
+    got = {e.sample_id: e.stats.get("argmax_agreement") for e in res.entries}
+    refused = {x.sample_id for x in res.invalid}
+    assert refused == {sid for sid, a in expected.items() if a < 0.7} and refused
+    assert got == {**{sid: a for sid, a in expected.items() if a >= 0.7}, "r3xyyy": None}
+
+
 def test_norm_outliers_are_flagged_not_rejected(tmp_path):
     items = [(s, shard_bytes(s)) for s in (sample(f"n{i}") for i in range(6))]
     odd = sample("loud")
