@@ -50,7 +50,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
-from eaglenest.engines.sglang_flags import sglang_placements
 from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
 from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
 from eaglenest.speculative.report import gate, markdown_table, write_report
@@ -134,12 +133,9 @@ def main() -> int:
 
     def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
         """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
-        args = [*a.sglang_arg, *(["--mem-fraction-static", str(a.mem_fraction_static)] if a.mem_fraction_static
-                                 else [])]  # the total the two hold together
-        cfgs = [BenchConfig(**{**base, "mem_fraction_static": None, "sglang_args": place.flags(args)}, num_steps=k,
-                            num_draft_tokens=a.draft_tokens, prompt_file=files[0])
-                for place in sglang_placements(args, num_servers=2, gpus=1)]
-        cmds = [server_commands(cfgs[0], a.port)[0], server_commands(cfgs[1], a.port + 1)[1]]
+        cfg = BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[0],
+                          rounds=a.rounds)
+        cmds = list(server_commands(cfg, a.port, a.port + 1))  # each its share of the GPU's memory
         labels = ["baseline", f"eagle3@{k}"]
         for label, cmd in zip(labels, cmds, strict=True):
             print(f"== {label} (together, {a.rounds} rounds): {' '.join(cmd)}", flush=True)

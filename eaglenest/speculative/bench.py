@@ -56,6 +56,9 @@ class BenchConfig(BaseModel):
     ignore_eos: bool = Field(False, description="generate max_new_tokens even past EOS")
     concurrencies: list[int] = Field([1, 4, 16, 64], min_length=1, description="requests in flight per level")
     requests_per_level: int | None = Field(None, ge=1, description="default: max(prompts, 2 x concurrency)")
+    rounds: int = Field(1, ge=1, description="> 1: the baseline and EAGLE3 servers up together (SGLang: each its "
+                        "share of the GPU's memory) and every level in this many alternating rounds over slices "
+                        "of the prompts, so the machine's drift weighs on both alike (even: each leads as often)")
     target_concurrency: int = Field(1, ge=1, description="the concurrency the gate judges (yours in production)")
     min_speedup: float = Field(1.0, ge=0.0, description="fail when EAGLE3 tok/s / baseline tok/s is below this")
     output_dir: str = Field("runs/bench", description="report.json, report.md, tok_s.png, accept_length.png")
@@ -101,6 +104,11 @@ class BenchConfig(BaseModel):
                              f"{self.concurrencies}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
+        if self.rounds > 1 and self.requests_per_level:
+            raise ValueError("rounds: each round sends its slice of the prompts (at least 2 x concurrency requests); "
+                             "requests_per_level applies to plain levels only")
+        if self.rounds > 1 and self.num_prompts is not None and self.rounds > self.num_prompts:
+            raise ValueError(f"rounds={self.rounds} > num_prompts={self.num_prompts}: each round needs a prompt")
         if self.offline_on_prompts and self.prompt_file:
             raise ValueError("offline_on_prompts: the target answers the named prompt_set's messages; a prompt_file "
                              "holds token ids only (drop prompt_file, or write the set with `bench prompts --format "
@@ -160,41 +168,55 @@ def prepare_prompts(cfg: BenchConfig) -> Prompts:
     return Prompts(name=ps.name, source=ps.source, token_ids=ids)
 
 
-def server_commands(cfg: BenchConfig, port: int) -> tuple[list[str], list[str]]:
-    """(baseline, eagle3) launch commands for the configured engine."""
+def server_commands(cfg: BenchConfig, port: int, eagle_port: int | None = None) -> tuple[list[str], list[str]]:
+    """(baseline, eagle3) launch commands for the configured engine; the EAGLE3 server on ``eagle_port`` when
+    given (both up at once: ``rounds`` > 1, where two SGLang servers share the GPU's memory as the extraction's
+    servers do, the user's ``--mem-fraction-static`` being what they hold together)."""
     import sys
 
     model = model_path(cfg)
     py = cfg.python or sys.executable
+    eagle_port = port if eagle_port is None else eagle_port
     if cfg.engine == "sglang":
+        from eaglenest.engines.sglang_flags import sglang_placements
         from eaglenest.speculative.live import sglang_command
 
-        kw: dict[str, Any] = dict(port=port, cuda_graph=cfg.cuda_graph, attention_backend=cfg.attention_backend,
-                                  sampling_backend=cfg.sampling_backend, mem_fraction_static=cfg.mem_fraction_static,
-                                  extra=cfg.sglang_args, python=py)
-        return sglang_command(model, **kw), sglang_command(model, draft=cfg.draft, spec=cfg.spec, **kw)
+        kw: dict[str, Any] = dict(cuda_graph=cfg.cuda_graph, attention_backend=cfg.attention_backend,
+                                  sampling_backend=cfg.sampling_backend, python=py)
+        args = list(cfg.sglang_args)
+        if cfg.rounds == 1:
+            base_x = eagle_x = args
+            kw["mem_fraction_static"] = cfg.mem_fraction_static
+        else:
+            total = [*args, *(["--mem-fraction-static", str(cfg.mem_fraction_static)] if cfg.mem_fraction_static
+                              else [])]
+            base_x, eagle_x = (p.flags(total) for p in sglang_placements(total, num_servers=2, gpus=1))
+        return (sglang_command(model, port=port, extra=base_x, **kw),
+                sglang_command(model, port=eagle_port, draft=cfg.draft, spec=cfg.spec, extra=eagle_x, **kw))
     from eaglenest.speculative.serve import bench_serve_command
 
     base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
                                threads=cfg.threads)
-    eagle = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3, draft=cfg.draft,
-                                shape=cfg.spec_shape, threads=cfg.threads)
+    eagle = bench_serve_command(model=model, port=eagle_port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3,
+                                draft=cfg.draft, shape=cfg.spec_shape, threads=cfg.threads)
     return [py, *base[1:]], [py, *eagle[1:]]
 
 
 def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
-    """Launch baseline then EAGLE3 (each in its own process group) and measure every level."""
+    """Launch baseline then EAGLE3 (each in its own process group; both at once with ``rounds`` > 1) and measure
+    every level."""
     from eaglenest.engines.pool import free_port, local_server
     from eaglenest.speculative.live import live_grid
 
     port = cfg.port or (30000 if cfg.engine == "sglang" else free_port())
-    base_cmd, eagle_cmd = server_commands(cfg, port)
+    eagle_port = port if cfg.rounds == 1 else (port + 1 if cfg.port or cfg.engine == "sglang" else free_port())
+    base_cmd, eagle_cmd = server_commands(cfg, port, eagle_port)
     logs = Path(cfg.output_dir) / "logs"
     return live_grid(
         local_server(base_cmd, port=port, log_path=logs / "baseline.log"),
-        local_server(eagle_cmd, port=port, log_path=logs / "eagle3.log"),
-        prompts.token_ids, cfg.concurrencies, max_new_tokens=cfg.max_new_tokens, ignore_eos=cfg.ignore_eos,
-        requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
+        local_server(eagle_cmd, port=eagle_port, log_path=logs / "eagle3.log"),
+        prompts.token_ids, cfg.concurrencies, rounds=cfg.rounds, max_new_tokens=cfg.max_new_tokens,
+        ignore_eos=cfg.ignore_eos, requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
         timeout_s=cfg.request_timeout_s, progress=progress, pidfile=pidfile(cfg),
     )
 

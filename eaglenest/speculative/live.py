@@ -383,7 +383,13 @@ def sglang_command(
 
 
 def live_grid(baseline: ServerProcess, eagle3: ServerProcess, prompts: Sequence[list[int]],
-              concurrencies: Sequence[int], **kwargs: Any) -> tuple[ServerResult, ServerResult]:
-    """Baseline, then EAGLE3, one after the other (they share the accelerator and usually the port)."""
-    return (bench_server("baseline", baseline, prompts, concurrencies, **kwargs),
-            bench_server("eagle3", eagle3, prompts, concurrencies, **kwargs))
+              concurrencies: Sequence[int], *, rounds: int = 1, **kwargs: Any) -> tuple[ServerResult, ServerResult]:
+    """Baseline, then EAGLE3, one after the other (they share the accelerator and usually the port); with
+    ``rounds`` > 1 both up together, every level in alternating rounds (:func:`bench_servers_together`)."""
+    if rounds == 1:
+        return (bench_server("baseline", baseline, prompts, concurrencies, **kwargs),
+                bench_server("eagle3", eagle3, prompts, concurrencies, **kwargs))
+    kwargs.pop("requests_per_level", None)  # a round sends its slice (BenchConfig refuses both)
+    res = bench_servers_together({"baseline": baseline, "eagle3": eagle3}, {"": prompts}, concurrencies,
+                                 rounds=rounds, **kwargs)
+    return res["baseline"][""], res["eagle3"][""]

@@ -67,7 +67,7 @@ def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
 
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.engines.serving import BackgroundServer
-    from eaglenest.speculative.live import bench_servers_together
+    from eaglenest.speculative.live import bench_servers_together, live_grid
 
     runner, _, _, seqs, plens = spec_tiny
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
@@ -78,11 +78,16 @@ def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
             servers = {"baseline": _Started(a, log, "baseline"), "eagle3": _Started(b, log, "eagle3")}
             res = bench_servers_together(servers, {"x": prompts[:2], "y": prompts[2:]}, [1, 2], rounds=2,
                                          max_new_tokens=5, ignore_eos=True, warmup_requests=1)
+            base, eagle = live_grid(servers["baseline"], servers["eagle3"], prompts, [1], rounds=2,
+                                    max_new_tokens=5, ignore_eos=True, warmup_requests=1, requests_per_level=None)
     finally:
         for e in engines:
             e.close()
     # one after another (servers sharing a GPU size their memory from what is free), stopped in reverse
-    assert log == ["start baseline", "ready baseline", "start eagle3", "ready eagle3", "stop eagle3", "stop baseline"]
+    assert log == ["start baseline", "ready baseline", "start eagle3", "ready eagle3", "stop eagle3",
+                   "stop baseline"] * 2
+    assert [base.name, eagle.name] == ["baseline", "eagle3"] and len(base.round_tok_s["1"]) == 2
+    assert base.levels[0].requests == eagle.levels[0].requests == 4  # 2 per round (its 2 prompts, at least 2c)
     for name in servers:
         assert list(res[name]) == ["x", "y"]
         for r in res[name].values():
@@ -91,3 +96,28 @@ def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
             # each round: requests_for(c, 1 prompt) = max(1, 2c) -> 2 at c=1, 4 at c=2; every token answered
             assert [lv.requests for lv in r.levels] == [4, 8] and all(lv.errors == 0 for lv in r.levels)
             assert [lv.output_tokens for lv in r.levels] == [20, 40]
+
+
+def test_rounds_in_the_bench_config_and_its_server_commands(tmp_path):
+    """``rounds`` > 1 puts both servers up at once: two ports, and on SGLang each its share of the GPU's memory
+    (the user's --mem-fraction-static is what they hold together, as for the extraction's servers)."""
+    from eaglenest.engines.sglang_guards import split_flags
+    from eaglenest.speculative.bench import BenchConfig, server_commands
+
+    def fraction_and_port(cmd):
+        flags = dict(split_flags(cmd[cmd.index("sglang.launch_server") + 1:]))
+        return flags.get("--mem-fraction-static"), flags["--port"]
+
+    one = BenchConfig(draft="/d", engine="sglang", model="/m", mem_fraction_static=0.6)
+    assert [fraction_and_port(c) for c in server_commands(one, 30000)] == [("0.6", "30000"), ("0.6", "30000")]
+    two = BenchConfig(draft="/d", engine="sglang", model="/m", rounds=2)
+    assert [fraction_and_port(c) for c in server_commands(two, 30000, 30001)] == [("0.4", "30000"),
+                                                                                  ("0.666", "30001")]
+    given = BenchConfig(draft="/d", engine="sglang", model="/m", rounds=4, sglang_args=["--mem-fraction-static", "0.6"])
+    base, eagle = server_commands(given, 30000, 30001)
+    assert [fraction_and_port(c)[0] for c in (base, eagle)] == ["0.3", "0.428"]
+    assert base.count("--mem-fraction-static") == 1 and "--speculative-algorithm" in eagle
+    with pytest.raises(ValueError, match="requests_per_level applies to plain levels"):
+        BenchConfig(draft="/d", rounds=2, requests_per_level=8)
+    with pytest.raises(ValueError, match="each round needs a prompt"):
+        BenchConfig(draft="/d", rounds=5, num_prompts=4)
