@@ -77,18 +77,23 @@ copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-onl
 # spent 85 s capturing decode graphs, mostly compiling, where a warm one took 9 s. `data` brings the cache back
 # ($OUT/triton-cache.tar.xz, when it fits one file) and a later session carries it in .gpu-logs (setup or data).
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-restore_kernels() {
-  local f; for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do
-    if [ -f "$f" ] && [ ! -d "$TRITON_CACHE" ]; then
-      mkdir -p "$TRITON_CACHE" && tar -C "$TRITON_CACHE" -xJf "$f" && echo "triton cache: $(du -sh "$TRITON_CACHE" | cut -f1) from $f"
-    fi
+restore_kernels() {  # never fails the step: a cache that does not unpack is left out (and not half in place)
+  local f tmp=/tmp/triton-cache.unpack
+  for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do
+    [ -f "$f" ] && [ ! -d "$TRITON_CACHE" ] || continue
+    rm -rf "$tmp"; mkdir -p "$tmp" "$(dirname "$TRITON_CACHE")"
+    if tar -C "$tmp" -xJf "$f" && mv "$tmp" "$TRITON_CACHE"; then echo "triton cache restored from $f"
+    else echo "triton cache: $f did not unpack; compiling anew" >&2; rm -rf "$tmp"; fi
   done
+  return 0
 }
-save_kernels() {
+save_kernels() {  # never fails the step either
   [ -d "$TRITON_CACHE" ] || return 0
   tar -C "$TRITON_CACHE" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz || return 0
-  if [ "$(stat -c %s /tmp/triton-cache.tar.xz)" -le 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/"
-  else echo "triton cache $(stat -c %s /tmp/triton-cache.tar.xz) B: too big to bring back" >&2; fi
+  local size; size=$(stat -c %s /tmp/triton-cache.tar.xz) || return 0
+  if [ "$size" -le 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/" || true
+  else echo "triton cache $size B: too big to bring back" >&2; fi
+  return 0
 }
 
 case "$STEP" in

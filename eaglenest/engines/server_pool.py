@@ -110,7 +110,7 @@ class ServerPool:
             return self.urls
         with self._lock:
             return [o.process.url for o in self._owned
-                    if o.process is not None and o.state in ("launching", "ready")]
+                    if o.process is not None and o.state in ("launching", "ready") and o.process.alive()]
 
     def pids(self) -> list[int]:
         return [o.process.pid for o in self._owned
@@ -255,8 +255,8 @@ class ServerPool:
     def revive(self) -> int:
         """Relaunch owned servers that died or stopped answering, one after another in spec order (so servers
         of one launch group restart in their first order); returns how many answer now. A server still in its
-        first launch (``join_late``), never started after its group failed, retired, or of a launch group with a
-        server still starting, is left alone; with ``join_late`` a relaunched one joins like a late one.
+        first launch (``join_late``), never started after its group failed, or retired, is left alone; one whose launch
+        group has a server still starting waits for it; with ``join_late`` a relaunched one joins like a late one.
 
         A relaunch runs the spec's command again, so a server sharing a GPU keeps the memory fraction it was
         first given (:func:`sglang_placements`). That is safe whichever of them died: SGLang holds that fraction
@@ -275,8 +275,9 @@ class ServerPool:
             if p is not None and p.alive() and self.ready(p.url):
                 healthy += 1
                 continue
-            if o.relaunches >= self.max_relaunches or self._group_launching(o):
+            if o.relaunches >= self.max_relaunches:
                 continue
+            self._wait_for_group(o)  # never two servers of one GPU sizing their memory at once
             if p is not None:
                 self._stop_one(p)
             o.relaunches += 1
@@ -288,11 +289,19 @@ class ServerPool:
                     self._stop_one(o.process)
         return healthy
 
-    def _group_launching(self, owned: _Owned) -> bool:
-        """Whether another server of its launch group is still starting (two would size their memory at once)."""
+    def _wait_for_group(self, owned: _Owned, poll_s: float = 0.2) -> None:
+        """Until no other server of its launch group is starting (at most the launch bound): a relaunch beside
+        one would size its memory at the same time."""
         g = owned.spec.launch_group
-        return g is not None and any(o is not owned and o.spec.launch_group == g and o.state == "launching"
-                                     for o in self._owned)
+        deadline = time.monotonic() + self.launch_timeout_s
+
+        def starting() -> bool:
+            with self._lock:
+                return g is not None and any(o is not owned and o.spec.launch_group == g and o.state == "launching"
+                                             and o not in self._unannounced for o in self._owned)
+
+        while starting() and time.monotonic() < deadline:
+            time.sleep(poll_s)
 
     @property
     def relaunches(self) -> int:

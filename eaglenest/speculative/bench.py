@@ -209,7 +209,9 @@ def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
     from eaglenest.speculative.live import live_grid
 
     port = cfg.port or (30000 if cfg.engine == "sglang" else free_port())
-    eagle_port = port if cfg.rounds == 1 else (port + 1 if cfg.port or cfg.engine == "sglang" else free_port())
+    eagle_port = port
+    while cfg.rounds > 1 and eagle_port == port:  # both up at once: two ports
+        eagle_port = port + 1 if cfg.port or cfg.engine == "sglang" else free_port()
     base_cmd, eagle_cmd = server_commands(cfg, port, eagle_port)
     logs = Path(cfg.output_dir) / "logs"
     return live_grid(

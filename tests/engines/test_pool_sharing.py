@@ -308,16 +308,14 @@ def test_join_late_a_server_ready_before_anyone_listens_waits_for_on_join():
 
 def test_revive_waits_while_a_server_of_the_same_gpu_is_still_starting():
     release = threading.Event()
-    pool, _ = late_pool([FakeServer, FakeServer], {"s1": lambda: release.wait(5)})
+    pool, log = late_pool([FakeServer, FakeServer], {"s1": lambda: release.wait(5)})
+    pool.on_join(lambda url: None)
     try:
         pool.start()
         pool._owned[0].process.stop()  # s0 dies while s1 (same GPU) is sizing its memory
-        assert pool.revive() == 0 and pool.relaunches == 0  # no second launch beside it
-        release.set()
-        deadline = time.monotonic() + 5
-        while "s1" not in pool.ready_after_s and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pool.on_join(lambda url: None)  # s1 joins; now s0 may start again
-        assert pool.revive() == 2 and pool.relaunches == 1
+        threading.Timer(0.3, release.set).start()
+        assert pool.revive() == 2 and pool.relaunches == 1  # waited for s1, then relaunched s0
+        at = {event: i for i, event in enumerate(log)}
+        assert log.count(("start", "s0")) == 2 and at["ready", "s1"] < len(log) - 1 - log[::-1].index(("start", "s0"))
     finally:
         pool.stop()
