@@ -126,26 +126,26 @@ def main() -> int:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
                            prompt_file=files[list(sets).index(name)])
 
-    def progress(label: str):
-        return lambda n, lv: print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 "
-                                   f"{lv.latency_p50_s:.3f}s p99 {lv.latency_p99_s:.3f}s accept "
-                                   f"{lv.accept_length}  errors {lv.errors}", flush=True)
+    def show(label: str, lv) -> None:
+        print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s p99 "
+              f"{lv.latency_p99_s:.3f}s accept {lv.accept_length}  errors {lv.errors}", flush=True)
 
     def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
         """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
         cfg = BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[0],
                           rounds=a.rounds)
-        cmds = list(server_commands(cfg, a.port, a.port + 1))  # each its share of the GPU's memory
+        ports = (a.port, a.port + 1)
+        cmds = server_commands(cfg, *ports)  # each its share of the GPU's memory
         labels = ["baseline", f"eagle3@{k}"]
         for label, cmd in zip(labels, cmds, strict=True):
             print(f"== {label} (together, {a.rounds} rounds): {' '.join(cmd)}", flush=True)
-        servers = {lab: local_server(cmd, port=a.port + i, log_path=out / f"server_{lab}.log")
-                   for i, (lab, cmd) in enumerate(zip(labels, cmds, strict=True))}
+        servers = {lab: local_server(cmd, port=port, log_path=out / f"server_{lab}.log")
+                   for lab, cmd, port in zip(labels, cmds, ports, strict=True)}
         try:
             res = bench_servers_together(
                 servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
                 ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
-                progress=lambda n, lv: progress(n)(n, lv))
+                progress=show)
         except LaunchError as e:
             print(f"together@{k} failed to launch: {e}", flush=True)
             return None
@@ -163,7 +163,7 @@ def main() -> int:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
                 requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
-                pidfile=out / "servers.json", progress=progress(label))
+                pidfile=out / "servers.json", progress=lambda _, lv: show(label, lv))
         except LaunchError as e:
             print(f"{label} failed to launch: {e}", flush=True)
             return None

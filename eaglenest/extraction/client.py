@@ -177,9 +177,7 @@ class EngineClient:
             if self._ended:
                 return False
             if self._loop is None:
-                if all(s.url != url for s in self._servers):
-                    self._servers.append(_Server(url))
-                    self.stats.per_server[url] = 0
+                self._register(url)
                 return True
             self._loop.call_soon_threadsafe(self._join, url)
             return True
@@ -206,7 +204,6 @@ class EngineClient:
         self._tls = httpx.create_ssl_context()  # one for all pools (building one costs ~20 ms)
         self._workers: list[asyncio.Task] = []
         self._pools: list[httpx.AsyncClient] = []
-        self.stats.pools = 0
         with self._joining:
             self._loop = asyncio.get_running_loop()
             for server in self._servers:
@@ -243,16 +240,22 @@ class EngineClient:
             pool = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=self._transport, verify=self._tls)
             self._pools.append(pool)
             self._workers += [asyncio.create_task(self._worker(pool, server, lane)) for lane in group]
-            self.stats.pools += 1
+        self.stats.pools = len(self._pools)
 
     def _join(self, url: str) -> None:
         """On the loop: a server that became ready during the call starts taking work."""
-        if self._loop is None or any(s.url == url for s in self._servers):
-            return
+        server = self._register(url) if self._loop is not None else None
+        if server is not None:
+            self._start_workers(server)
+
+    def _register(self, url: str) -> _Server | None:
+        """A server not among this client's yet becomes one of them (None when it already is)."""
+        if any(s.url == url for s in self._servers):
+            return None
         server = _Server(url)
         self._servers.append(server)
         self.stats.per_server[url] = 0
-        self._start_workers(server)
+        return server
 
     # ---------------------------------------------------------------- bookkeeping
     def _add(self, job: Job) -> None:

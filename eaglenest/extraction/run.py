@@ -124,22 +124,22 @@ def quick_gil_handoff(interval_s: float = GIL_SWITCH_S) -> Iterator[None]:
     cores it also loses CPU time to the checks). 1 ms keeps most of the gain at a small cost to the request loop.
     Restored afterwards."""
     with _handoff_lock:
-        if not _handoff_users:
-            _handoff_before[:] = [sys.getswitchinterval()]
-            sys.setswitchinterval(min(_handoff_before[0], interval_s))
-        _handoff_users.append(1)
+        if not _handoff["users"]:
+            _handoff["before"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handoff["before"], interval_s))
+        _handoff["users"] += 1
     try:
         yield
     finally:
         with _handoff_lock:
-            _handoff_users.pop()
-            if not _handoff_users:  # the last of overlapping extractions (threads of one process) restores it
-                sys.setswitchinterval(_handoff_before[0])
+            _handoff["users"] -= 1
+            if not _handoff["users"]:  # the last of overlapping extractions (threads of one process) restores it
+                sys.setswitchinterval(_handoff["before"])
 
 
 _handoff_lock = threading.Lock()
-_handoff_users: list[int] = []
-_handoff_before: list[float] = []
+_handoff: dict[str, float] = {"users": 0, "before": 0.0}
+"""Extractions running in this process, and the switch interval from before the first of them."""
 
 
 def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float,

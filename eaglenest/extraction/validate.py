@@ -143,13 +143,18 @@ def argmax_agreements(items: Sequence[ArgmaxItem], lm_head: torch.Tensor, *, chu
     group: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows = 0
     for final_hidden, input_ids, spans in items:
-        pos = torch.tensor([t - 1 for a, b in spans for t in range(max(a, 1), b)], dtype=torch.long)  # [P_i]
+        pos = torch.tensor(_predicting_positions(spans), dtype=torch.long)  # [P_i]
         group.append((final_hidden[pos], input_ids[pos + 1].long()))  # [P_i, H], [P_i]
         rows += int(pos.numel())
         if rows >= group_rows:
             out += _argmax_hits(group, lm_head, chunk)
             group, rows = [], 0
     return out + (_argmax_hits(group, lm_head, chunk) if group else [])
+
+
+def _predicting_positions(spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The positions t whose final state predicts a span token t + 1 (a span's first token at 0 has none)."""
+    return [t - 1 for a, b in spans for t in range(max(a, 1), b)]
 
 
 def _argmax_hits(group: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
@@ -348,7 +353,7 @@ def validate_batch(
             results.append(res)
             if lm_head is not None and samples[i].regenerated and isinstance(res, tuple):
                 todo.append(i)
-                rows += sum(b - max(a, 1) for a, b in samples[i].loss_spans if b > max(a, 1))
+                rows += len(_predicting_positions(samples[i].loss_spans))
                 if rows >= ARGMAX_GROUP_ROWS:
                     _check_argmax(samples, results, todo, lm_head, config)
                     todo, rows = [], 0
