@@ -27,7 +27,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: whole epochs that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
 # (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
@@ -173,9 +173,12 @@ data)
       | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
   done
   save_kernels
-  # the answers come back (small next to the shards) so that the next session captures them without regenerating
+  # the answers come back (small next to the shards) so that the next session captures them without regenerating;
+  # a copy stays in /tmp/gpu-logs for a later data call of this window (ANSWERS_FROM=TAG after rm -rf /tmp/ext)
+  mkdir -p /tmp/gpu-logs && rm -f /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part*
   (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
-    | split -b 15M - "$OUT/regen-logs-$tag.tar.xz.part" || true
+    | split -b 15M - "/tmp/gpu-logs/regen-logs-$tag.tar.xz.part" && cp /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part* "$OUT/" \
+    || true
   [ "${PROFILE:-0}" != 1 ] || python3 -c "
 import json, sys
 from collections import Counter
@@ -235,7 +238,7 @@ train)
   grid=${GRID:-$W/grid.json}
   # one config trains at 86.7K tok/s alone, two at once 44-49K each: one config unless a sweep is asked for
   [ -f "$grid" ] || echo '{"bf16": {"draft_vocab_size": 16000}}' > "$grid"
-  # whole epochs that end within 85% of the time budget at TRAIN_TOK_S (one config with its evals: 69.9K tok/s
+  # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S (one config with its evals: 69.9K tok/s
   # measured), so the step schedule finishes and the budget stays a safety stop (12 epochs of 3.36M tokens in
   # 6.5 minutes had stopped at step 1,653 of 2,472)
   epochs=${EPOCHS:-$(python3 -c "
@@ -244,7 +247,7 @@ from eaglenest.drafter.config import TrainConfig
 from eaglenest.store.extraction import open_samples
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
 tokens = int(open_samples('$TRAIN_DATA', check_sha256=False).num_tokens.sum()) * (1 - held)
-print(max(1, math.floor(${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens)))")}
+print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens) / 10))")}
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step)
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \

@@ -39,6 +39,10 @@ class TrainConfig(BaseModel):
         None, ge=1, description="Draft vocabulary size; default min(32000, V) on GPU, min(8192, V) on CPU "
         "(the draft LM head dominates the CPU cost)."
     )
+    draft_intermediate_size: int | None = Field(
+        None, ge=1, description="Width of the draft layer's MLP (default: the target's intermediate size). Wider adds "
+        "capacity to the one draft layer; SGLang and vLLM read it from the export's config."
+    )
     ttt_steps: int = Field(7, ge=1, le=16, description="TTT unroll length k.")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of TTT step i is step_decay**i.")
     epochs: float = Field(1.0, gt=0.0, description="Passes over the training split (sets the schedule length).")

@@ -55,6 +55,7 @@ class DrafterConfig:
     hidden_size: int
     """Draft hidden size; equals the target's (the target's embeddings are concatenated in)."""
     intermediate_size: int
+    """Width of the draft layer's MLP: the target's by default, wider for more capacity at little cost."""
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -101,9 +102,11 @@ class DrafterConfig:
 
     @classmethod
     def from_target(
-        cls, target_config: dict, *, aux_layer_ids: tuple[int, ...], draft_vocab_size: int
+        cls, target_config: dict, *, aux_layer_ids: tuple[int, ...], draft_vocab_size: int,
+        intermediate_size: int | None = None,
     ) -> DrafterConfig:
-        """The drafter for a target (a Llama-style HF config dict): same width, heads and norms.
+        """The drafter for a target (a Llama-style HF config dict): same width, heads and norms; the MLP
+        ``intermediate_size`` wide (default: the target's).
 
         RoPE: the drafter always uses the default rope type with the target's ``rope_theta`` (SGLang
         reads the drafter's own config, so training and serving agree whatever the target's scaling).
@@ -114,7 +117,7 @@ class DrafterConfig:
         heads = int(t["num_attention_heads"])
         return cls(
             hidden_size=int(t["hidden_size"]),
-            intermediate_size=int(t["intermediate_size"]),
+            intermediate_size=int(intermediate_size or t["intermediate_size"]),
             num_attention_heads=heads,
             num_key_value_heads=int(t.get("num_key_value_heads") or heads),
             head_dim=int(t.get("head_dim") or t["hidden_size"] // heads),

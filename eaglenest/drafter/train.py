@@ -165,8 +165,10 @@ class Trainer:
             vocab = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
         else:
             vocab = build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
+        weights = checkpoint.model if checkpoint is not None else start  # either keeps its own MLP width
+        width = int(weights["midlayer.mlp.gate_proj.weight"].shape[0]) if weights else config.draft_intermediate_size
         dcfg = DrafterConfig.from_target(tt.config, aux_layer_ids=store.provenance.aux_layer_ids,
-                                         draft_vocab_size=vocab.size)
+                                         draft_vocab_size=vocab.size, intermediate_size=width)
         drafter = Eagle3Drafter(dcfg, embed_weight=tt.embed)
         drafter.load_vocab(vocab.d2t, vocab.t2d)
         if start is not None:

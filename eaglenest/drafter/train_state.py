@@ -183,11 +183,13 @@ def starting_drafter(config: TrainConfig, target_dir: Path, provenance: contract
     from eaglenest.drafter.export import load_drafter
 
     loaded = load_drafter(config.init_from, target_dir=target_dir, provenance=provenance)
-    size = loaded.model.config.draft_vocab_size
-    if config.draft_vocab_size is not None and config.draft_vocab_size != size:
-        raise contract.ContractError(
-            f"init_from {config.init_from} has a draft vocabulary of {size} tokens, the config asks for "
-            f"{config.draft_vocab_size}: leave draft_vocab_size unset (the drafter's own is kept) or start afresh")
+    have = loaded.model.config
+    for name, size, asked in (("draft_vocab_size", have.draft_vocab_size, config.draft_vocab_size),
+                               ("draft_intermediate_size", have.intermediate_size, config.draft_intermediate_size)):
+        if asked is not None and asked != size:
+            raise contract.ContractError(
+                f"init_from {config.init_from} has {name} {size}, the config asks for {asked}: leave {name} "
+                "unset (the drafter's own is kept) or start afresh")
     return loaded.model.state_dict()
 
 

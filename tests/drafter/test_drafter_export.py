@@ -140,8 +140,38 @@ def test_training_starts_from_an_exported_drafter(tmp_path, trained_run, tiny_mo
     assert torch.equal(kept.vocab.d2t, exported["d2t"]) and torch.equal(kept.drafter.d2t, exported["d2t"])
     result = train(cfg, store=drafter_store)
     assert result.status == "done" and result.step == 3 and read_trained(tmp_path / "more").training["step"] == 3
-    with pytest.raises(ContractError, match="draft vocabulary of 150 tokens, the config asks for 100"):
+    with pytest.raises(ContractError, match="draft_vocab_size 150, the config asks for 100"):
         Trainer.setup(cfg.model_copy(update={"draft_vocab_size": 100, "out_dir": str(tmp_path / "v")}),
                       store=drafter_store)
     with pytest.raises(ValueError, match="both set the starting weights"):
         TrainConfig(**{**cfg.model_dump(), "init": "target"})
+
+
+def test_a_wider_draft_mlp_trains_exports_and_keeps_its_width(tmp_path, tiny_model_dir, drafter_store):
+    """draft_intermediate_size widens the draft layer's MLP: the export's config says so, SGLang's math over the
+    exported tensors gives the loaded drafter's logits, and a run started from it keeps that width."""
+    from eaglenest.drafter.train import Trainer
+
+    cfg = TrainConfig(store="memory", out_dir=str(tmp_path / "wide"), target=str(tiny_model_dir), draft_vocab_size=150,
+                      draft_intermediate_size=320, ttt_steps=2, max_steps=2, max_tokens=256, max_seq_len=128,
+                      warmup_steps=1, eval_fraction=0.0, eval_every=0, precision="fp32", threads=1)
+    assert train(cfg, store=drafter_store).status == "done"
+    out = export_drafter(tmp_path / "wide", tmp_path / "sgl", fmt="sglang")
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 320
+    w = tensors(out)
+    assert tuple(w["midlayer.mlp.gate_proj.weight"].shape) == (320, 64)
+    loaded = load_drafter(out, target_dir=tiny_model_dir).model
+    assert loaded.config.intermediate_size == 320
+    s = drafter_store[0]
+    n = s.input_ids.numel() - 1
+    args = (s.input_ids[None, 1:].long(), s.aux_hidden[None, :n].float(), torch.arange(n)[None])
+    with torch.no_grad():
+        got = loaded.extend(*args)
+    sgl = SglangEagle3Reference(w, loaded.config, load_target_tensors(tiny_model_dir).embed)
+    torch.testing.assert_close(sgl.forward(args[0][0], args[2][0], args[1][0])[0], got.logits[0],
+                               rtol=1e-4, atol=1e-4)
+    more = cfg.model_copy(update={"draft_intermediate_size": None, "init_from": str(out),
+                                  "out_dir": str(tmp_path / "more")})
+    assert Trainer.setup(more, store=drafter_store).drafter.config.intermediate_size == 320
+    with pytest.raises(ContractError, match="draft_intermediate_size 320, the config asks for 128"):
+        Trainer.setup(more.model_copy(update={"draft_intermediate_size": 128}), store=drafter_store)
