@@ -25,12 +25,12 @@
 # Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
 # `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
-# through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (1; 2 share the GPU, 0.7 of it in all), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
+# through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
-# finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S, 70000), TRAIN_MINUTES (8.5,
-# a safety stop), GRID (a gpu_sweep grid JSON, default one config: the bf16 store at draft vocab 16000), DRAFTERS
-# (bf16; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
+# finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 80000), TRAIN_MINUTES (8.5,
+# a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), DRAFTERS
+# (wide; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -157,10 +157,10 @@ data)
   }
   if [ "${EXTRACT:-1}" != 0 ]; then
     t0=$(date +%s); budget=${EXTRACT_S:-420}
-    extract "${NUM_SERVERS:-1}" "$budget" || echo "extract exited $?" >&2
+    extract "${NUM_SERVERS:-2}" "$budget" || echo "extract exited $?" >&2
     left=$((budget - $(date +%s) + t0))
     # servers sharing the GPU are new: when that launch fails early, the rest of the budget goes to one server
-    if [ "${NUM_SERVERS:-1}" != 1 ] && [ ! -f /tmp/ext/regen/report.json ] && [ "$left" -gt 150 ]; then
+    if [ "${NUM_SERVERS:-2}" != 1 ] && [ ! -f /tmp/ext/regen/report.json ] && [ "$left" -gt 150 ]; then
       echo "retrying the extraction with one server for ${left} s" >&2; extract 1 "$left" || echo "extract exited $?" >&2
     fi
   fi
@@ -236,18 +236,19 @@ prompts)
   ;;
 train)
   grid=${GRID:-$W/grid.json}
-  # one config trains at 86.7K tok/s alone, two at once 44-49K each: one config unless a sweep is asked for
-  [ -f "$grid" ] || echo '{"bf16": {"draft_vocab_size": 16000}}' > "$grid"
-  # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S (one config with its evals: 69.9K tok/s
-  # measured), so the step schedule finishes and the budget stays a safety stop (12 epochs of 3.36M tokens in
-  # 6.5 minutes had stopped at step 1,653 of 2,472)
+  # the measured best recipe: TTT 4, lr 2e-3, draft vocab 16000, the draft MLP 4x the target's (at equal tokens 0.10
+  # above the target's width on held-out @3, trained as fast: results/2026-12-02b-h200)
+  [ -f "$grid" ] || echo '{"wide": {"draft_vocab_size": 16000, "ttt_steps": 4, "lr": 0.002, "draft_intermediate_size": 6144}}' > "$grid"
+  # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S per config, so the step schedule finishes
+  # and the budget stays a safety stop. Measured per config: 80.4-80.7K tok/s two at once on first-turn samples
+  # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01)
   epochs=${EPOCHS:-$(python3 -c "
 import math
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.store.extraction import open_samples
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
 tokens = int(open_samples('$TRAIN_DATA', check_sha256=False).num_tokens.sum()) * (1 - held)
-print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-70000} / tokens) / 10))")}
+print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-80000} / tokens) / 10))")}
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step)
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
@@ -268,7 +269,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   ;;
 bench)
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
-  drafters=${DRAFTERS:-bf16}
+  drafters=${DRAFTERS:-wide}
   if [ "$drafters" = best ]; then  # the train step's drafter with the highest offline MT-Bench accept length @3
     drafters=$(python3 -c "
 import glob, json, os

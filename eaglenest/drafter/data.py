@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglenest import contract
-from eaglenest.drafter.ttt import Batch
+from eaglenest.drafter.ttt import Batch, row_plan
 from eaglenest.store.sampler import LengthBucketSampler
 
 __all__ = ["BatchStream", "Lookahead", "Staged", "collate", "prompt_set_view", "stage", "store_view"]
@@ -80,8 +80,10 @@ class Staged:
             _check_finite(aux, final, self.samples, self.indices)
         else:
             aux, final = (move(x) for x in self.states)
+        plan = row_plan(self.loss_mask, self.lengths)  # on the host: a GPU step then never waits to learn a size
         return Batch(input_ids=move(self.input_ids), loss_mask=move(self.loss_mask), aux_hidden=aux,
-                     final_hidden=final, lengths=move(self.lengths), indices=self.indices)
+                     final_hidden=final, lengths=move(self.lengths), indices=self.indices,
+                     plan=plan if device is None else plan.to(device))
 
 
 def _check_finite(aux: torch.Tensor, final: torch.Tensor, samples: Sequence, indices: Sequence[int]) -> None:

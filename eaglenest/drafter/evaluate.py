@@ -93,7 +93,7 @@ def evaluate(
                 row = rows.row_of[:, 1 + i :]
                 kept[i] += int(rows.in_vocab[row[row >= 0]].sum())
                 loss_sum[i] += float(res.loss_sum)
-                correct[i] += res.correct
+                correct[i] += int(res.correct)
                 counted[i] += res.counted
             masks = [m[:n].tolist() for m, n in zip(batch.loss_mask.cpu(), batch.lengths.tolist(), strict=True)]
             for d in range(1, k + 1):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -229,36 +230,42 @@ class Trainer:
         return out
 
     def step(self) -> dict:
-        """One optimizer step; returns its train event. Raises NonFiniteLoss before stepping on NaN/inf."""
+        """One optimizer step; returns its train event. Raises NonFiniteLoss before stepping on NaN/inf.
+
+        Nothing is read back from the device until the step's losses and gradients are computed: counts and
+        sizes come from the host copies of the batches (their row plans), and the step's statistics come back
+        in one transfer, so the host keeps queueing kernels while the device computes."""
         cfg, d, k, store = self.config, self.d, self.config.ttt_steps, self.store
         micro, staged = self.batches.next(more=self.step_no + 1 < self.total)
+        counts = sum(step_counts(s.loss_mask, k) for s in staged).to(torch.float64)  # [k], on the host
+        ntok = torch.tensor(float(sum(int(s.lengths.sum()) for s in staged)), dtype=torch.float64)
         batches = [s.to_batch(self.device) for s in staged]
-        counts = sum(step_counts(b.loss_mask, k) for b in batches).to(torch.float64)  # [k]
-        ntok = torch.tensor(float(sum(b.num_tokens for b in batches)), dtype=torch.float64)
         if d.world > 1:
-            packed = self._all_reduce(torch.cat([counts.cpu(), ntok.view(1)]))
+            packed = self._all_reduce(torch.cat([counts, ntok.view(1)]))
             counts, ntok = packed[:k], packed[k]
         scales = [w * d.world / max(float(c), 1.0) for w, c in zip(self.weights, counts.tolist(), strict=True)]
         lr_used = self.optimizer.param_groups[0]["lr"]
-        total_loss, finite = 0.0, True
-        step_loss, step_correct = [0.0] * k, [0] * k
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        total_loss, nonfinite = zero, zero
+        step_loss, step_correct = [zero] * k, [zero] * k
         for a, batch in enumerate(batches):
             sync = a == len(batches) - 1 or d.world == 1
             with contextlib.nullcontext() if sync else self.objective.no_sync():
                 with self.autocast():
                     rows = target_rows(batch, self.head_full, self.draft_ids, self.drafter.t2d)
                     loss, results = self.objective(batch, rows, k, scales)
-                finite &= bool(torch.isfinite(loss.detach()))
                 loss.backward()
-            total_loss += float(loss.detach()) / d.world
-            for i, r in enumerate(results):
-                step_loss[i] += float(r.loss_sum.detach())
-                step_correct[i] += r.correct
+            done = loss.detach().double()
+            total_loss = total_loss + done / d.world
+            nonfinite = nonfinite + (~torch.isfinite(done)).double()
+            step_loss = [x + r.loss_sum.detach().double() for x, r in zip(step_loss, results, strict=True)]
+            step_correct = [x + r.correct.double() for x, r in zip(step_correct, results, strict=True)]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
-        stats = torch.tensor([total_loss, float(not finite), *step_loss, *step_correct], dtype=torch.float64)
+        values = torch.stack([total_loss, nonfinite, *step_loss, *step_correct, grad_norm.double()]).cpu()  # one read
+        stats, grad_norm = values[:-1], float(values[-1])
         if d.world > 1:
             stats = self._all_reduce(stats)
-        if stats[1] > 0 or not bool(torch.isfinite(grad_norm)):
+        if stats[1] > 0 or not math.isfinite(grad_norm):
             ids = [store.sample_ids[i] for b in batches for i in b.indices]
             raise NonFiniteLoss(
                 f"step {self.step_no + 1}: non-finite {'loss' if stats[1] > 0 else 'gradient norm'} on samples "
@@ -269,7 +276,7 @@ class Trainer:
         self.step_no += 1
         self.tokens_done += int(ntok)
         c = counts.clamp(min=1).tolist()
-        rec = {"step": self.step_no, "loss": float(stats[0]), "lr": lr_used, "grad_norm": float(grad_norm),
+        rec = {"step": self.step_no, "loss": float(stats[0]), "lr": lr_used, "grad_norm": grad_norm,
                "tokens": int(ntok)}
         self.history.append(rec)
         event = {"kind": "train", **rec, "total_steps": self.total, "epoch": self.batches.epoch, "batches": micro,

@@ -39,6 +39,43 @@ from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
 
 
 @dataclass(frozen=True, slots=True)
+class RowPlan:
+    """Where a batch's loss rows are, worked out on the host from its loss mask.
+
+    A GPU step that indexes with a boolean mask or reads a count back (``int(mask.sum())``) waits there until
+    the device has caught up, and the host cannot queue the next kernels meanwhile; with every size known on
+    the host, a training step runs without such waits (one read-back at its end)."""
+
+    num_tokens: int
+    """Real (unpadded) tokens of the batch."""
+    cols: torch.Tensor  # [M] int64 on the host: column j of each loss row (j >= 1), in (b, j) order
+    flat: torch.Tensor  # [M] int64 on the batch's device: flat index b*T + j of each loss row
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.cols.numel())
+
+    def step(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """TTT step ``i``: the loss rows it counts (``j >= 1 + i``) as (their row numbers [N], the flat index
+        of their anchor ``t = j - 1 - i`` [N], N), both index tensors on the device."""
+        sel = torch.nonzero(self.cols >= 1 + i).squeeze(1)  # [N] on the host
+        rows = sel.to(self.flat.device, non_blocking=True)
+        return rows, self.flat.index_select(0, rows) - (1 + i), int(sel.numel())
+
+    def to(self, device: torch.device | str) -> RowPlan:
+        return RowPlan(self.num_tokens, self.cols, self.flat.to(device, non_blocking=True))
+
+
+def row_plan(loss_mask: torch.Tensor, lengths: torch.Tensor) -> RowPlan:
+    """The plan of a [B, T] loss mask (row 0 of a sample is never the target of an anchor); computed on the
+    host, so call it before the mask moves to a GPU (it syncs otherwise)."""
+    mask = loss_mask.detach().cpu().clone()
+    mask[:, 0] = False
+    b, j = mask.nonzero(as_tuple=True)
+    return RowPlan(int(lengths.sum()), j, (b * mask.shape[1] + j).to(loss_mask.device))
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Right-padded micro-batch (padding rows are never counted)."""
 
@@ -48,14 +85,20 @@ class Batch:
     final_hidden: torch.Tensor  # [B, T, H]
     lengths: torch.Tensor  # [B] int64
     indices: tuple[int, ...]
+    plan: RowPlan | None = None
+    """Made on the host before the move to a device (:func:`row_plan`); built on use when missing."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return self.plan.num_tokens if self.plan is not None else int(self.lengths.sum())
+
+    def row_plan(self) -> RowPlan:
+        return self.plan if self.plan is not None else row_plan(self.loss_mask, self.lengths)
 
     def to(self, device: torch.device | str) -> Batch:
+        plan = self.row_plan()  # on the host, before the mask moves
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.aux_hidden.to(device),
-                     self.final_hidden.to(device), self.lengths.to(device), self.indices)
+                     self.final_hidden.to(device), self.lengths.to(device), self.indices, plan.to(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +110,13 @@ class TargetRows:
     neg_entropy: torch.Tensor  # [M] fp32 sum(p * log p)
     argmax: torch.Tensor  # [M] int64 target id of the full-vocabulary argmax
     in_vocab: torch.Tensor  # [M] bool
+    plan: RowPlan | None = None  # the batch's (target_rows sets it; each TTT step's anchors come from it)
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
     loss_sum: torch.Tensor  # [] differentiable sum of KL over counted in-vocab rows
-    correct: int
+    correct: torch.Tensor  # [] int64 on the batch's device (read it when the step is done, not per step)
     counted: int
     match: torch.Tensor  # [B, T] bool at anchors (False where not counted)
 
@@ -87,12 +131,13 @@ def step_counts(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
                 *, chunk: int = 2048) -> TargetRows:
     """Target log-probs over the draft vocabulary and full argmax at every loss row."""
-    mask = batch.loss_mask.clone()
-    mask[:, 0] = False  # row 0 is never the target of an anchor
-    row_of = torch.full(mask.shape, -1, dtype=torch.int64, device=mask.device)
-    n = int(mask.sum())
-    row_of[mask] = torch.arange(n, device=mask.device)
-    rows = batch.final_hidden[mask].to(head_full.dtype)  # [M, H]
+    plan = batch.row_plan()
+    b, t = batch.loss_mask.shape
+    n, dev = plan.num_rows, batch.loss_mask.device
+    row_of = torch.full((b * t,), -1, dtype=torch.int64, device=dev)
+    row_of[plan.flat] = torch.arange(n, device=dev)
+    row_of = row_of.view(b, t)
+    rows = batch.final_hidden.reshape(b * t, -1).index_select(0, plan.flat).to(head_full.dtype)  # [M, H]
     ps, negents, argmaxes = [], [], []
     head_draft = head_full[draft_ids]  # [Vd, H]
     for s in range(0, n, chunk):
@@ -103,11 +148,10 @@ def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, 
         ps.append(p)
         negents.append((p * logp).sum(-1))
     vd = draft_ids.numel()
-    dev = mask.device
     p = torch.cat(ps) if ps else torch.zeros(0, vd, device=dev)
     negent = torch.cat(negents) if negents else torch.zeros(0, device=dev)
     argmax = torch.cat(argmaxes) if argmaxes else torch.zeros(0, dtype=torch.int64, device=dev)
-    return TargetRows(row_of=row_of, p=p, neg_entropy=negent, argmax=argmax, in_vocab=t2d[argmax])
+    return TargetRows(row_of=row_of, p=p, neg_entropy=negent, argmax=argmax, in_vocab=t2d[argmax], plan=plan)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -167,21 +211,22 @@ def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) ->
 
 
 def _step_loss(model: Eagle3Drafter, out: torch.Tensor, rows: TargetRows, i: int) -> StepResult:
-    row = shift_left(rows.row_of, 1 + i, fill=-1)  # [B, T] target row of anchor t at step i
-    anchors = row >= 0
-    r = row[anchors]  # [N]
-    z = model.head(out[anchors])  # [N, Vd] draft logits (bf16 under autocast)
+    r, anchors, n = rows.plan.step(i)  # [N] target rows counted at step i, [N] flat index of their anchor t
+    b, t, h = out.shape
+    z = model.head(out.reshape(b * t, h).index_select(0, anchors))  # [N, Vd] draft logits (bf16 under autocast)
     logq = F.log_softmax(z.float(), dim=-1)  # (faster than logsumexp on CPU)
-    # rows are numbered in (b, j) order, so r is sorted; all M rows (the usual case: loss starts after
-    # the prompt) means r is the identity and the [N, Vd] gather is skipped
-    p = rows.p if r.numel() == rows.p.shape[0] else rows.p[r]
-    kl = rows.neg_entropy[r] - (p * logq).sum(-1)  # [N] KL(p || q) = sum p log p - sum p log q
-    loss_sum = (kl * rows.in_vocab[r]).sum()
+    # all M rows (the usual case: loss starts after the prompt) means r is the identity: no [N, Vd] gather
+    every = n == rows.p.shape[0]
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return x if every else x.index_select(0, r)
+
+    kl = take(rows.neg_entropy) - (take(rows.p) * logq).sum(-1)  # [N] KL(p || q) = sum p log p - sum p log q
+    loss_sum = (kl * take(rows.in_vocab)).sum()
     with torch.no_grad():
-        hit = model.to_target_ids(z.max(-1).indices) == rows.argmax[r]  # [N] (max() beats argmax in bf16)
-        match = torch.zeros_like(anchors)
-        match[anchors] = hit
-    return StepResult(loss_sum=loss_sum, correct=int(hit.sum()), counted=int(r.numel()), match=match)
+        hit = model.to_target_ids(z.max(-1).indices) == take(rows.argmax)  # [N] (max() beats argmax in bf16)
+        match = torch.zeros(b * t, dtype=torch.bool, device=out.device).index_copy_(0, anchors, hit).view(b, t)
+    return StepResult(loss_sum=loss_sum, correct=hit.sum(), counted=n, match=match)
 
 
 def accepted_drafts(results: list[StepResult], depth: int) -> torch.Tensor:

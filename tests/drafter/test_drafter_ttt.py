@@ -75,7 +75,7 @@ def test_accept_length_counts_leading_matches_plus_bonus():
                       argmax=torch.zeros(7, dtype=torch.int64),
                       in_vocab=torch.ones(7, dtype=torch.bool))
     m = [[1, 1, 0, 1, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
-    res = [StepResult(torch.tensor(0.0), 0, 0, torch.tensor([x], dtype=torch.bool)) for x in m]
+    res = [StepResult(torch.tensor(0.0), torch.tensor(0), 0, torch.tensor([x], dtype=torch.bool)) for x in m]
     total, n = accept_lengths(res, rows, 3)
     # anchor0: 3 matches -> 4; anchor1: step1 miss -> 2; anchor2: step0 miss -> 1; anchor3: 3 -> 4; rest 1
     assert n == 7 and total == 4 + 2 + 1 + 4 + 1 + 1 + 1

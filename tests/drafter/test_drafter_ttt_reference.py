@@ -157,7 +157,7 @@ def test_production_ttt_loss_equals_the_naive_algorithm(tiny_model_dir, drafter_
         n_counted = sum(x[1][i] for x in naive)
         n_correct = sum(x[2][i] for x in naive)
         assert results[i].counted == n_counted == int(counts[i])
-        assert results[i].correct == n_correct, (i, results[i].correct, n_correct)
+        assert int(results[i].correct) == n_correct, (i, results[i].correct, n_correct)
         torch.testing.assert_close(float(results[i].loss_sum), n_loss, rtol=1e-4, atol=1e-5)
     total = sum(decay**i * float(results[i].loss_sum) / float(counts[i]) for i in range(k))
     naive_total = sum(decay**i * sum(x[0][i] for x in naive) / sum(x[1][i] for x in naive) for i in range(k))
