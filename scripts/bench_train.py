@@ -15,6 +15,12 @@ shape, per precision and draft vocabulary, and prints tokens/s (no store needed)
 
     python scripts/bench_train.py step --tokens 4096 --seq 256 512 --vocab 8192 16384 32000 --precision bf16 fp32 \
         [--device cuda] [--profile 15]   (--profile: the top ops of one more step, by self time)
+
+``read`` times the trainer's data path alone (an extraction folder or store read, padded and page-locked the
+way the trainer's look-ahead does it, no compute) for each number of steps read ahead, and prints tokens/s: the
+most a trainer can be fed on this machine.
+
+    python scripts/bench_train.py read --store /tmp/ext/regen --ahead 0 1 4 8 --steps 60 [--pin]
 """
 
 from __future__ import annotations
@@ -201,6 +207,32 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
 
 
+def read_bench(args) -> None:
+    import torch
+
+    from eaglenest.drafter.data import BatchStream, Lookahead, stage
+    from eaglenest.store.extraction import open_samples
+
+    store = open_samples(args.store, check_sha256=True)
+    lengths = [min(int(n), args.max_seq_len) for n in store.num_tokens]
+    for ahead in args.ahead:
+        stream = BatchStream(lengths, max_tokens=args.max_tokens, seed=0)
+
+        def stage_fn(micro, store=store):
+            return [stage([store[i] for i in mb], mb, max_seq_len=args.max_seq_len, dtype=torch.bfloat16,
+                          pin_memory=args.pin) for mb in micro]
+
+        batches = Lookahead(stream, 1, stage_fn, ahead=ahead)
+        t0, tokens = time.perf_counter(), 0
+        for n in range(args.steps):
+            _, staged = batches.next(following=args.steps - n - 1)
+            tokens += sum(int(s.lengths.sum()) for s in staged)
+        batches.close()
+        dt = time.perf_counter() - t0
+        print(json.dumps({"ahead": ahead, "steps": args.steps, "tokens": tokens, "seconds": round(dt, 2),
+                          "tokens_per_s": round(tokens / dt)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -230,8 +262,15 @@ def main() -> None:
     s.add_argument("--model", default="default")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--profile", type=int, default=0, help="also print the top N ops of one profiled step")
+    r = sub.add_parser("read")
+    r.add_argument("--store", required=True, help="extraction folder or store URL")
+    r.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 4], help="steps read ahead (0: in the step)")
+    r.add_argument("--steps", type=int, default=60)
+    r.add_argument("--max-tokens", type=int, default=16384)
+    r.add_argument("--max-seq-len", type=int, default=2048)
+    r.add_argument("--pin", action="store_true", help="page-locked buffers (what a GPU trainer uses)")
     args = ap.parse_args()
-    {"capture": capture, "train": train_run, "step": step_bench}[args.cmd](args)
+    {"capture": capture, "train": train_run, "step": step_bench, "read": read_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

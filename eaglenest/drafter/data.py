@@ -12,6 +12,7 @@ accumulation does; the stream position after a step is exactly restorable.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -147,30 +148,37 @@ def _padded_fp8(samples: Sequence, lens: Sequence[int], pin_memory: bool = False
 
 
 class Lookahead:
-    """The optimizer steps' micro-batches, the next step's staged on a helper thread while this one computes.
+    """The optimizer steps' micro-batches, the next ``ahead`` steps' staged on helper threads while this one computes.
 
     ``next()`` hands out one step's index lists and ``stage_fn(index lists)`` (what the step reads, e.g. this
-    rank's :class:`Staged` batches). With ``ahead`` the stream
-    is advanced for the following step at once and its batches are padded (and page-locked) on one helper
-    thread, so reading and padding overlap the device's work. :meth:`state_dict` is the stream's state as of
-    the last step handed out, never of the prefetched one: a checkpoint resumes exactly where a run without
+    rank's :class:`Staged` batches). With ``ahead`` > 0 the stream is advanced that many steps further at once
+    and each of those steps is read and padded (and page-locked) on a helper thread of its own, so reading
+    overlaps the device's work and several steps can be read at once (the H200 trained at 80K tokens/s with one
+    reading thread, where its step alone computes about 300K). :meth:`state_dict` is the stream's state as of
+    the last step handed out, never of a prefetched one: a checkpoint resumes exactly where a run without
     look-ahead would. What is computed does not depend on ``ahead``."""
 
-    def __init__(self, stream: BatchStream, per_step: int, stage_fn, *, ahead: bool) -> None:
-        self.stream, self.per_step, self.stage_fn = stream, per_step, stage_fn
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eaglenest-stage") if ahead else None
-        self._next: tuple[list[list[int]], Future] | None = None
+    def __init__(self, stream: BatchStream, per_step: int, stage_fn, *, ahead: int = 0) -> None:
+        self.stream, self.per_step, self.stage_fn, self.ahead = stream, per_step, stage_fn, ahead
+        self._pool = ThreadPoolExecutor(ahead, thread_name_prefix="eaglenest-stage") if ahead > 0 else None
+        self._queue: deque[tuple[list[list[int]], dict, int, Future]] = deque()
         self._state: dict | None = None
         self.epoch = stream.epoch
 
-    def next(self, *, more: bool = True) -> tuple[list[list[int]], object]:
-        """This step's micro-batches; ``more=False`` says no step follows (nothing is prefetched)."""
-        micro, fut = self._next if self._next is not None else (self.stream.take(self.per_step), None)
-        self._next = None
-        self._state, self.epoch = self.stream.state_dict(), self.stream.epoch
-        if self._pool is not None and more:
-            following = self.stream.take(self.per_step)
-            self._next = (following, self._pool.submit(self.stage_fn, following))
+    def _take(self) -> tuple[list[list[int]], dict, int]:
+        """One step's micro-batches and the stream's state and epoch right after them."""
+        micro = self.stream.take(self.per_step)
+        return micro, self.stream.state_dict(), self.stream.epoch
+
+    def next(self, *, following: int = 1) -> tuple[list[list[int]], object]:
+        """This step's micro-batches; ``following``: how many more steps will be asked for (none is read past)."""
+        if self._queue:
+            micro, self._state, self.epoch, fut = self._queue.popleft()
+        else:
+            (micro, self._state, self.epoch), fut = self._take(), None
+        while self._pool is not None and len(self._queue) < min(self.ahead, following):
+            m, state, epoch = self._take()
+            self._queue.append((m, state, epoch, self._pool.submit(self.stage_fn, m)))
         return micro, fut.result() if fut is not None else self.stage_fn(micro)
 
     def state_dict(self) -> dict:

@@ -134,7 +134,8 @@ class Trainer:
         self.t_loop = clock()
         self.tokens_at_start = 0
         ahead = config.prefetch if config.prefetch is not None else device.type == "cuda"
-        self.batches = Lookahead(stream, config.grad_accum * d.world, self._stage_micro, ahead=ahead)
+        self.batches = Lookahead(stream, config.grad_accum * d.world, self._stage_micro,
+                                 ahead=config.prefetch_steps if ahead else 0)
 
     # ---- setup ----------------------------------------------------------------------------------
     @classmethod
@@ -236,7 +237,7 @@ class Trainer:
         sizes come from the host copies of the batches (their row plans), and the step's statistics come back
         in one transfer, so the host keeps queueing kernels while the device computes."""
         cfg, d, k, store = self.config, self.d, self.config.ttt_steps, self.store
-        micro, staged = self.batches.next(more=self.step_no + 1 < self.total)
+        micro, staged = self.batches.next(following=self.total - self.step_no - 1)
         counts = sum(step_counts(s.loss_mask, k) for s in staged).to(torch.float64)  # [k], on the host
         ntok = torch.tensor(float(sum(int(s.lengths.sum()) for s in staged)), dtype=torch.float64)
         batches = [s.to_batch(self.device) for s in staged]

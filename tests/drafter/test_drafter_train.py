@@ -62,17 +62,18 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, tiny_model_dir,
     assert full.eval == resumed.eval and full.eval["anchors"] > 0
 
 
-def test_look_ahead_computes_the_same_run_and_resumes_exactly(tmp_path, tiny_model_dir, drafter_store):
-    """Batches staged on the helper thread one step ahead: the same batches, losses and weights as reading
+@pytest.mark.parametrize("steps", [1, 3])
+def test_look_ahead_computes_the_same_run_and_resumes_exactly(tmp_path, tiny_model_dir, drafter_store, steps):
+    """Batches staged on helper threads 1 or 3 steps ahead: the same batches, losses and weights as reading
     them in the step; a run cut after step 5 (its stream already advanced for step 6) resumes exactly."""
     plain, plain_steps = train_events(config(tmp_path / "a", tiny_model_dir, prefetch=False), drafter_store)
-    ahead_cfg = config(tmp_path / "b", tiny_model_dir, prefetch=True)
+    ahead_cfg = config(tmp_path / "b", tiny_model_dir, prefetch=True, prefetch_steps=steps)
     ahead, ahead_steps = train_events(ahead_cfg, drafter_store)
     assert ahead.status == "done" and ahead.step == 6
     assert [(e["batches"], e["loss"]) for e in plain_steps] == [(e["batches"], e["loss"]) for e in ahead_steps]
     wa, wb = weights(tmp_path / "a" / "run"), weights(ahead_cfg.out_dir)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
-    cut_cfg = config(tmp_path / "c", tiny_model_dir, prefetch=True)
+    cut_cfg = config(tmp_path / "c", tiny_model_dir, prefetch=True, prefetch_steps=steps)
     train_events(cut_cfg, drafter_store, stop_at=5)
     resumed, second = train_events(cut_cfg, drafter_store)
     assert [e["step"] for e in second] == [5, 6]
