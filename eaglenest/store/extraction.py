@@ -3,7 +3,9 @@ straight from an extraction without converting it.
 
 :class:`ExtractionStore` has the store's reader interface (``sample_ids``, ``num_tokens``, ``loss_tokens``,
 ``provenance``, ``len``, indexing to :class:`~eaglenest.store.reader.StoreSample`). The loss mask comes from
-the ledger's spans; shards are read lazily and each is checked against the ledger's sha256 when read.
+the ledger's spans; shards are read lazily and each is checked against the ledger's sha256 the first time this
+view reads it (as an Arrow store checks a data file on its first read in a process): later epochs do not hash
+it again, which would cost a reading thread about as much time as the read itself.
 :func:`open_samples` opens either kind: an extraction folder, or an Arrow store URL.
 """
 
@@ -33,6 +35,7 @@ class ExtractionStore:
         self.sample_ids = [e.sample_id for e in self._entries]
         self.num_tokens = np.array([e.num_tokens for e in self._entries], dtype=np.int64)
         self.loss_tokens = np.array([e.loss_tokens for e in self._entries], dtype=np.int64)
+        self._verified: set[int] = set()  # entries whose shard matched the ledger's sha256 in this view
         self.provenance = self._read(0).provenance
 
     def __len__(self) -> int:
@@ -41,8 +44,10 @@ class ExtractionStore:
     def _read(self, i: int) -> contract.Shard:
         entry = self._entries[i]
         data = (self._capture / entry.shard).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise contract.ContractError(f"{self._capture / entry.shard}: sha256 differs from the ledger's")
+        if i not in self._verified:
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise contract.ContractError(f"{self._capture / entry.shard}: sha256 differs from the ledger's")
+            self._verified.add(i)
         return contract.decode_shard(data, where=str(self._capture / entry.shard))
 
     def __getitem__(self, i: int) -> StoreSample:

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from eaglenest.cli import app
-from eaglenest.contract import Shard
+from eaglenest.contract import ContractError, Shard
 from eaglenest.store import ConvertInputError, StoreCorrupt, StoreDataset, convert, open_store
 from eaglenest.store import reader as reader_mod
 from eaglenest.testing.fake_store import add_samples, make_extraction
@@ -164,3 +164,23 @@ def test_pending_counted_from_prepared_samples_without_a_report(tmp_path):
 def test_hand_made_folder_without_report_or_samples_converts(tmp_path):
     make_extraction(tmp_path / "ex", [10] * 3)
     assert convert(tmp_path / "ex", str(tmp_path / "store")).samples == 3
+
+
+def test_an_extraction_read_in_place_checks_each_shard_on_its_first_read(tmp_path, monkeypatch):
+    """Training straight from an extraction folder: a shard changed before its first read fails naming it;
+    a shard read once is not hashed again (later epochs), as an Arrow store checks a file once per process."""
+    from eaglenest.store import extraction as extraction_mod
+    from eaglenest.store.extraction import ExtractionStore
+
+    make_extraction(tmp_path / "ext", LENGTHS)
+    store = ExtractionStore(tmp_path / "ext")
+    shard = tmp_path / "ext" / "capture" / store._entries[3].shard
+    flip_byte(shard)
+    with pytest.raises(ContractError, match=f"{shard.name}: sha256 differs from the ledger's"):
+        store[3]
+    hashed = []
+    real = extraction_mod.hashlib.sha256
+    monkeypatch.setattr(extraction_mod.hashlib, "sha256", lambda data: hashed.append(len(data)) or real(data))
+    for _ in range(3):  # three epochs over the healthy shards
+        assert [store[i].sample_id for i in (1, 2, 4)] == [store.sample_ids[i] for i in (1, 2, 4)]
+    assert len(hashed) == 3  # each read shard hashed once (shard 0 was hashed when the store opened)
