@@ -17,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eaglenest.extraction.config import ExtractParams
 from eaglenest.extraction.run import run_extraction
+from flows import allow_slow_first_start
 from tasks import extract as t
 from tasks.store import convert_or_cached
 
@@ -63,4 +64,5 @@ def extract(params: ExtractParams = ExtractParams()) -> dict:
 
 
 if __name__ == "__main__":
+    allow_slow_first_start()
     extract()

@@ -53,6 +53,7 @@ from eaglenest.pipeline import (
     ledger_key,
     train_key,
 )
+from flows import allow_slow_first_start
 from flows.bench import bench
 from flows.extract import extract
 from tasks.store import convert_or_cached
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", help="PipelineParams as JSON (a file path or the JSON itself)")
     ap.add_argument("--debug", action="store_true", help="print the traceback of any error")
     a = ap.parse_args(argv)
+    allow_slow_first_start()
     try:
         t0 = time.perf_counter()
         summary = pipeline(_params(a) if a.params or not a.demo else demo_params(a.out, a.prompts))
