@@ -215,13 +215,12 @@ def read_bench(args) -> None:
 
     store = open_samples(args.store, check_sha256=True)
     lengths = [min(int(n), args.max_seq_len) for n in store.num_tokens]
+    def stage_fn(micro):
+        return [stage([store[i] for i in mb], mb, max_seq_len=args.max_seq_len, dtype=torch.bfloat16,
+                      pin_memory=args.pin) for mb in micro]
+
     for ahead in args.ahead:
         stream = BatchStream(lengths, max_tokens=args.max_tokens, seed=0)
-
-        def stage_fn(micro, store=store):
-            return [stage([store[i] for i in mb], mb, max_seq_len=args.max_seq_len, dtype=torch.bfloat16,
-                          pin_memory=args.pin) for mb in micro]
-
         batches = Lookahead(stream, 1, stage_fn, ahead=ahead)
         t0, tokens = time.perf_counter(), 0
         for n in range(args.steps):
