@@ -110,7 +110,7 @@ def main() -> int:
         report["configs"][name] = {
             "overrides": grid[name], "exit_code": procs[name].returncode,
             "result": {k: result.get(k) for k in ("status", "note", "step", "total_steps", "train_tokens",
-                                                  "tokens_per_s", "train_seconds")} if result else None,
+                                                  "tokens_per_s", "train_seconds", "time_split")} if result else None,
             "curves": curves[name],
             "log_tail": (work / f"{name}.log").read_text(errors="replace")[-1500:] if not result else None}
     out.mkdir(parents=True, exist_ok=True)

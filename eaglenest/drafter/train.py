@@ -133,6 +133,7 @@ class Trainer:
         self.weights = [config.step_decay**i for i in range(k)]
         self.t_loop = clock()
         self.tokens_at_start = 0
+        self.split = dict.fromkeys(("data_wait", "device_wait", "eval", "save"), 0.0)  # see TrainResult.time_split
         ahead = config.prefetch if config.prefetch is not None else device.type == "cuda"
         self.batches = Lookahead(stream, config.grad_accum * d.world, self._stage_micro,
                                  ahead=config.prefetch_steps if ahead else 0)
@@ -237,7 +238,9 @@ class Trainer:
         sizes come from the host copies of the batches (their row plans), and the step's statistics come back
         in one transfer, so the host keeps queueing kernels while the device computes."""
         cfg, d, k, store = self.config, self.d, self.config.ttt_steps, self.store
+        t0 = time.perf_counter()
         micro, staged = self.batches.next(following=self.total - self.step_no - 1)
+        self.split["data_wait"] += time.perf_counter() - t0
         counts = sum(step_counts(s.loss_mask, k) for s in staged).to(torch.float64)  # [k], on the host
         ntok = torch.tensor(float(sum(int(s.lengths.sum()) for s in staged)), dtype=torch.float64)
         batches = [s.to_batch(self.device) for s in staged]
@@ -262,7 +265,10 @@ class Trainer:
             step_loss = [x + r.loss_sum.detach().double() for x, r in zip(step_loss, results, strict=True)]
             step_correct = [x + r.correct.double() for x, r in zip(step_correct, results, strict=True)]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
-        values = torch.stack([total_loss, nonfinite, *step_loss, *step_correct, grad_norm.double()]).cpu()  # one read
+        values = torch.stack([total_loss, nonfinite, *step_loss, *step_correct, grad_norm.double()])
+        t0 = time.perf_counter()
+        values = values.cpu()  # the step's one read: the host waits here for the device's math
+        self.split["device_wait"] += time.perf_counter() - t0
         stats, grad_norm = values[:-1], float(values[-1])
         if d.world > 1:
             stats = self._all_reduce(stats)
@@ -312,7 +318,7 @@ class Trainer:
         targets = [(HELDOUT, self.store, self.eval_idx)] + [
             (name, st, list(range(min(len(st), cfg.eval_max_samples or len(st)))))
             for name, st in self.eval_stores.items()]
-        out = {}
+        out, t0 = {}, time.perf_counter()
         for name, store, idx in targets:
             if not idx:
                 continue
@@ -321,10 +327,11 @@ class Trainer:
             self.emit({"kind": "eval", "set": name, "step": self.step_no, "train_tokens": self.tokens_done, **res})
             log.info("eval %s step %d: %s", name, self.step_no, describe_eval(res, k))
             out[name] = res
+        self.split["eval"] += time.perf_counter() - t0
         return out or None
 
     def save(self, last_eval: dict | None) -> Path | None:
-        path = None
+        path, t0 = None, time.perf_counter()
         if self.d.rank == 0:
             trainer_state = {"scheduler": self.scheduler.state_dict(), "stream": self.batches.state_dict(),
                              "rng_torch": torch.get_rng_state(), "rng_python": random.getstate()}
@@ -340,6 +347,7 @@ class Trainer:
             self.emit({"kind": "checkpoint", "step": self.step_no, "path": str(path)})
         if self.d.world > 1:
             dist.barrier()
+        self.split["save"] += time.perf_counter() - t0
         return path
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -354,7 +362,7 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.config
         status, last_eval, last_eval_step = "done", None, -1
-        self.t_loop = self.clock()
+        self.t_loop, self.t_split = self.clock(), time.perf_counter()
         try:
             while self.step_no < self.total:
                 self.step()
@@ -372,6 +380,9 @@ class Trainer:
             last_eval = self.evaluate() or last_eval
         path = self.save(last_eval)
         now = self.clock()
+        split = {name: round(v, 2) for name, v in self.split.items()}
+        split["other"] = round(max(time.perf_counter() - self.t_split - sum(self.split.values()), 0.0), 2)
+        log.info("loop time split (s): %s", split)
         note = ("schedule finished" if status == "done" else
                 f"stopped by the time budget (a safety stop, max_minutes={cfg.max_minutes}) at step "
                 f"{self.step_no} of {self.total}: the schedule did NOT finish; run again to resume")
@@ -380,7 +391,8 @@ class Trainer:
             checkpoint=str(path or self.ckpts.latest()), train_tokens=self.tokens_done, elapsed_s=now - self.t_start,
             tokens_per_s=(self.tokens_done - self.tokens_at_start) / max(now - self.t_loop, 1e-9),
             train_seconds=self.seconds_before + now - self.t_loop, eval=(last_eval or {}).get(HELDOUT),
-            eval_sets={k: v for k, v in (last_eval or {}).items() if k != HELDOUT}, history=self.history, note=note)
+            eval_sets={k: v for k, v in (last_eval or {}).items() if k != HELDOUT}, history=self.history, note=note,
+            time_split=split)
         if self.d.rank == 0:
             contract.atomic_write_bytes(self.run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
         return result

@@ -57,6 +57,11 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     note: str = ""
     """Why the run stopped: the schedule finished, or the time budget (a safety stop) cut it short."""
+    time_split: dict[str, float] = field(default_factory=dict)
+    """Where this call's loop time went, in seconds: ``data_wait`` (steps waiting for their micro-batches to be
+    read and padded), ``device_wait`` (the host waiting for the device to finish a step's math: the step's one
+    read-back), ``eval``, ``save`` and ``other`` (the rest: launching kernels, the optimizer, logging). A loop
+    whose time is mostly ``data_wait`` is fed too slowly; mostly ``device_wait``, it is bound by the device."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -198,3 +198,23 @@ def test_held_out_metrics_are_consistent_and_training_helps(tmp_path, tiny_model
         assert ev["step_acc"][0] <= ev["target_in_vocab"] <= 1.0
     assert after["step_loss"][0] < before["step_loss"][0]
     assert after["accept_length"]["3"] > before["accept_length"]["3"]
+
+
+def test_the_result_says_where_the_loop_time_went(tmp_path, tiny_model_dir, drafter_store):
+    """A store slow to read shows up as the steps' data wait, and the parts add up to the loop's time."""
+    import time
+
+    class SlowStore(MemoryStore):
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            return super().__getitem__(i)
+
+    slow = SlowStore([drafter_store[i] for i in range(len(drafter_store))], drafter_store.provenance)
+    events = []
+    result = train(config(tmp_path, tiny_model_dir, max_steps=4, prefetch=False), store=slow, callback=events.append)
+    split = result.time_split
+    assert set(split) == {"data_wait", "device_wait", "eval", "save", "other"}
+    read_in_steps = sum(len(mb) for e in events if e["kind"] == "train" for mb in e["batches"])
+    assert read_in_steps > 10 and split["data_wait"] >= 0.9 * 0.02 * read_in_steps
+    assert split["eval"] > 0 and split["save"] > 0  # the last evaluation and checkpoint
+    assert sum(split.values()) == pytest.approx(result.train_seconds, abs=0.05)  # the loop's own time, all of it
