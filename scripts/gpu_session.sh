@@ -227,10 +227,14 @@ prompts)
   # the target writes user prompts itself (`eaglenest prompts self` on a plain SGLang server: no capture), SELF_COUNT
   # of them, to /tmp/gpu-logs/self.jsonl.xz (SOURCE=self.jsonl.xz for data; `cat` it after another .jsonl.xz to mix
   # them) and to $OUT; evaluation prompts are left out by .gpu/eval-user-texts.json (the sets' packages are not here)
+  # STARTER_SET (kinds): openings that spread the prompts over writing, roleplay, reasoning, math, coding,
+  # extraction, STEM and humanities (left free, SmolLM2 writes mostly advice); STARTER_SET= leaves them free
   ensure_model
   mkdir -p /tmp/gpu-logs
+  starters=(); [ -z "${STARTER_SET-kinds}" ] || starters=(--starter-set "${STARTER_SET-kinds}")
   run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" \
     --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \
+    ${starters[@]+"${starters[@]}"} \
     --sglang-arg=--mem-fraction-static --sglang-arg=0.5 > "$R/self-prompts.json"
   cat "$R/self-prompts.json"; cp /tmp/gpu-logs/self.jsonl.xz "$OUT/"
   ;;

@@ -179,6 +179,11 @@ def prompts_self(
         help="leave out prompts equal to a user turn of this evaluation set (repeatable)")] = None,
     exclude_file: Annotated[Path | None, typer.Option(
         help="the same from a JSON list of user texts (machines without the evaluation sets' packages)")] = None,
+    starter: Annotated[list[str] | None, typer.Option(
+        help="an opening of the user's text that the target continues (repeatable; prompts take them in turn)")] = None,
+    starter_set: Annotated[str | None, typer.Option(
+        help="a built-in set of openings: 'kinds' (writing, roleplay, reasoning, math, coding, extraction, STEM, "
+             "humanities), added to --starter")] = None,
 ) -> None:
     """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
     needs no dataset. The regeneration recipe then lets it answer them. Given --server-url, those servers must
@@ -189,14 +194,17 @@ def prompts_self(
 
     from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
     from eaglenest.extraction.client import ClientConfig
-    from eaglenest.extraction.self_prompts import SelfPromptConfig, self_prompts
+    from eaglenest.extraction.self_prompts import STARTER_SETS, SelfPromptConfig, self_prompts
     from eaglenest.models import resolve_model
     from eaglenest.speculative.prompts import user_texts
 
+    if starter_set is not None and starter_set not in STARTER_SETS:
+        raise errors.UsageError(f"--starter-set {starter_set!r}: not a built-in set (have: {', '.join(STARTER_SETS)})")
+    starters = tuple(starter or ()) + (STARTER_SETS[starter_set] if starter_set else ())
     model_dir = resolve_model(model)
     try:
         cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens)
+                               max_new_tokens=max_new_tokens, starters=starters)
     except ValueError as e:
         raise errors.UsageError(str(e)) from None
     exclude = user_texts(exclude_prompt_set or [])

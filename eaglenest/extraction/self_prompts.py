@@ -7,6 +7,13 @@ needed for; the regeneration recipe then lets the target answer them, so the who
 own text. Measured with SmolLM2-135M-Instruct: advice, recipes, writing and planning requests, mostly one
 or two sentences.
 
+Left to itself the target writes mostly advice and explanations; chat benchmarks also ask for math, code,
+roleplay, writing and extraction. ``starters`` steer it: prompt i begins with opening ``i mod n`` (e.g. "Solve
+for x:") and the target writes the rest of the request, so the prompts spread over the kinds the openings name
+while their text is still the target's. :data:`STARTER_SETS` has a built-in spread (``kinds``) over the eight
+kinds MT-Bench groups its questions in; no opening is taken from an evaluation set, and a finished prompt that
+equals an evaluation prompt is left out as before.
+
 :func:`self_prompts` asks running capture servers (``POST /generate`` with ``nocapture:`` rids: nothing is
 captured) for ``count`` user turns and keeps those that ended on their own (an end-of-turn, not
 ``max_new_tokens``), are at least ``min_chars`` long, are not a duplicate and are not a user turn of an
@@ -33,6 +40,37 @@ _MARK = "\u2063eaglenest-user-turn\u2063"
 """Stands in for the user's text while the template is rendered; no template holds it."""
 
 
+STARTER_SETS: dict[str, tuple[str, ...]] = {
+    "kinds": (
+        # writing
+        "Write a short story about", "Compose a poem about", "Draft an email to", "Write a blog post about",
+        "Write a persuasive essay on", "Write a product description for",
+        # roleplay
+        "Pretend you are", "Imagine you are a", "Act as a", "You are a detective who", "Role-play as",
+        "Let's play a game where you are",
+        # reasoning
+        "If a", "A farmer has", "Which of these", "Solve this riddle:", "Explain the logic behind", "Is it true that",
+        # math
+        "Solve for x:", "What is the sum of", "Calculate the", "A train leaves", "Find the derivative of",
+        "Prove that",
+        # coding
+        "Write a Python function that", "Write a JavaScript function to", "Fix the bug in this code:",
+        "Implement a", "Write a SQL query that", "Explain what this code does:",
+        # extraction
+        "Extract the", "Summarize the following", "From the text below,", "List all the", "Given this table,",
+        "Classify the following",
+        # STEM
+        "Explain how", "What is the difference between", "Describe the process of", "How does a", "What causes",
+        "In physics,",
+        # humanities and social science
+        "Discuss the impact of", "Compare the", "What were the main causes of", "Analyze the themes of", "Who was",
+        "How did the",
+    ),
+}
+"""Named sets of openings (``--starter-set``): ``kinds`` spreads prompts over writing, roleplay, reasoning,
+math, coding, extraction, STEM and humanities, six openings each."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SelfPromptConfig:
     count: int
@@ -44,10 +82,17 @@ class SelfPromptConfig:
     top_p: float = 0.95
     max_new_tokens: int = 256
     min_chars: int = 16
+    starters: tuple[str, ...] = ()
+    """Openings of the user's text: prompt i begins with ``starters[i % len(starters)]`` and the target writes the
+    rest (an empty opening leaves it free). None: every prompt is the target's choice."""
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.max_new_tokens < 1 or self.min_chars < 0:
             raise ValueError("count and max_new_tokens must be >= 1, min_chars >= 0")
+        bad = [s for s in self.starters if s != s.strip()]
+        if bad:
+            raise ValueError(f"starters must not begin or end with whitespace (the target writes the space after "
+                             f"one): {bad[:3]}")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0: greedy decoding writes the same prompt every time")
 
@@ -60,13 +105,24 @@ def user_turn_prefix(encoder: ChatEncoder) -> list[int]:
     return encoder.tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]
 
 
-def prompt_jobs(prefix: list[int], config: SelfPromptConfig) -> list[Job]:
+def starter_of(config: SelfPromptConfig, i: int) -> str:
+    """The opening prompt ``i`` begins with ("" when none)."""
+    return config.starters[i % len(config.starters)] if config.starters else ""
+
+
+def prompt_jobs(prefix: list[int], config: SelfPromptConfig, encoder: ChatEncoder | None = None) -> list[Job]:
+    """One request per prompt: the template prefix, then prompt i's opening (tokenized by ``encoder``)."""
+    if config.starters and encoder is None:
+        raise ValueError("starters need the target's encoder to tokenize them")
+    opening = {s: encoder.tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+               for s in config.starters}
     jobs = []
     for i in range(config.count):
         rid = f"{NO_CAPTURE_RID_PREFIX}self:{config.seed}:{i}"
         sp = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p,
               "sampling_seed": config.seed * 1_000_003 + i}
-        jobs.append(Job(rid, {"input_ids": prefix, "rid": rid, "sampling_params": sp}, payload=i))
+        ids = prefix + opening.get(starter_of(config, i), [])
+        jobs.append(Job(rid, {"input_ids": ids, "rid": rid, "sampling_params": sp}, payload=i))
     return jobs
 
 
@@ -80,12 +136,13 @@ def keep_prompts(answers: list[tuple[int, dict[str, Any]]], config: SelfPromptCo
     for i, body in sorted(answers, key=lambda a: a[0]):
         meta = body.get("meta_info") or {}
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
-        text = str(body.get("text") or "").strip()
+        written = str(body.get("text") or "")
+        text = (starter_of(config, i) + written).strip()
         key = _key(text)
         if not isinstance(finish, dict) or finish.get("type") != "stop":
             skipped["cut"] += 1  # ran into max_new_tokens (or was aborted): not a finished request
-        elif len(text) < config.min_chars:
-            skipped["too_short"] += 1
+        elif len(text) < config.min_chars or not written.strip():
+            skipped["too_short"] += 1  # (an opening the target did not continue is no request)
         elif key in evals:
             skipped["eval_prompt"] += 1
         elif key in seen:
@@ -109,7 +166,7 @@ def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfProm
     encoder = ChatEncoder(model_dir)
     prefix = user_turn_prefix(encoder)
     engine = EngineClient(server_urls, config=client or ClientConfig(concurrency=64), transport=transport)
-    outcomes = asyncio.run(engine.run(prompt_jobs(prefix, config)))
+    outcomes = asyncio.run(engine.run(prompt_jobs(prefix, config, encoder)))
     answers = [(o.payload, o.body) for o in outcomes if isinstance(o, Answer)]
     failed = Counter(o.reason for o in outcomes if not isinstance(o, Answer))
     records, skipped = keep_prompts(answers, config, exclude=exclude)
@@ -118,4 +175,5 @@ def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfProm
     write_jsonl(out, records)
     generated = sum(len(b.get("output_ids") or []) for _, b in answers)
     return {"asked": config.count, "kept": len(records), "skipped": dict(skipped), "failed": dict(failed),
-            "generated_tokens": generated, "requests": engine.stats.requests, "out": str(out)}
+            "generated_tokens": generated, "requests": engine.stats.requests, "starters": len(config.starters),
+            "out": str(out)}

@@ -22,6 +22,10 @@ CASES = {
     "export into an existing folder": (["export", "{tmp}/run", "{tmp}"], "exists; pass overwrite"),
     "greedy self-prompting": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--temperature", "0"],
                               "temperature must be > 0"),
+    "unknown starter set": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--starter-set",
+                             "poems"], "--starter-set 'poems': not a built-in set (have: kinds)"),
+    "opening with a trailing space": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}",
+                                       "--starter", "Solve "], "starters must not begin or end with whitespace"),
 }
 
 

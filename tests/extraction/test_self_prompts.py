@@ -88,3 +88,39 @@ def test_nothing_kept_is_an_error_naming_why(smol_dir, tmp_path):
         self_prompts(["http://fake:1"], smol_dir, SelfPromptConfig(count=2), tmp_path / "x.jsonl",
                      transport=transport)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_openings_are_taken_in_turn_and_the_target_writes_the_rest(smol_dir, tmp_path):
+    from eaglenest.extraction.self_prompts import STARTER_SETS
+
+    enc = ChatEncoder(smol_dir)
+    prefix = user_turn_prefix(enc)
+    sent = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        req = json.loads(request.content)
+        i = int(req["rid"].rsplit(":", 1)[1])
+        sent[i] = req["input_ids"]
+        return httpx.Response(200, json=body(["", " 2x + 3 = 7, step by step.", " a pirate on a ship.",
+                                              " the following: bake bread."][i % 4]))
+
+    cfg = SelfPromptConfig(count=8, seed=2, starters=("Solve for x:", "Pretend you are", ""), min_chars=10)
+    out = tmp_path / "steered.jsonl"
+    report = self_prompts(["http://fake:1"], smol_dir, cfg, out, transport=httpx.MockTransport(handler))
+    # each request is the template prefix, then its opening's tokens (none for the empty opening)
+    for i, ids in sent.items():
+        opening = cfg.starters[i % 3]
+        assert ids[: len(prefix)] == prefix
+        assert enc.tokenizer.decode(ids[len(prefix):]) == opening
+    texts = {r.id: r.messages[0].content for r in read_records(str(out)).records}
+    # prompt 0: an opening the target did not continue is no request; 1: "Pretend you are" + its continuation
+    assert "self-2-0" not in texts and texts["self-2-1"] == "Pretend you are 2x + 3 = 7, step by step."
+    assert texts["self-2-2"] == "a pirate on a ship."  # the empty opening: the target's own start
+    assert texts["self-2-3"] == "Solve for x: the following: bake bread."
+    assert report["starters"] == 3 and report["skipped"]["too_short"] >= 1
+    assert len(STARTER_SETS["kinds"]) == 48 and len(set(STARTER_SETS["kinds"])) == 48
+
+
+def test_openings_with_surrounding_space_are_refused():
+    with pytest.raises(ValueError, match="whitespace"):
+        SelfPromptConfig(count=2, starters=("Solve for x: ",))
