@@ -100,11 +100,13 @@ def stage(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype:
     ``pin_memory``, so the move to a GPU is asynchronous). Safe to call from a helper thread."""
     lens = [min(int(s.input_ids.numel()), max_seq_len) for s in samples]
     b, t = len(samples), max(lens)
-    ids = torch.zeros(b, t, dtype=torch.int64, pin_memory=pin_memory)
-    mask = torch.zeros(b, t, dtype=torch.bool, pin_memory=pin_memory)
+    ids = torch.empty(b, t, dtype=torch.int64, pin_memory=pin_memory)
+    mask = torch.empty(b, t, dtype=torch.bool, pin_memory=pin_memory)
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
-        ids[r, :n] = s.input_ids[:n].to(torch.int64)
-        mask[r, :n] = s.loss_mask[:n].to(torch.bool)
+        ids[r, :n] = s.input_ids[:n]
+        mask[r, :n] = s.loss_mask[:n]
+        ids[r, n:] = 0
+        mask[r, n:] = False
     staged = Staged(input_ids=ids, loss_mask=mask, lengths=torch.tensor(lens, dtype=torch.int64),
                     indices=tuple(int(i) for i in indices), samples=samples, dtype=dtype)
     if all(getattr(s, "fp8", None) is not None for s in samples):
@@ -127,23 +129,27 @@ def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtyp
 def _padded_states(samples: Sequence, lens: Sequence[int], dtype: torch.dtype,
                    pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     b, t, first = len(samples), max(lens), samples[0]
-    aux = torch.zeros(b, t, first.aux_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, k*H]
-    final = torch.zeros(b, t, first.final_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, H]
+    # not zero-filled: each row is written once, its states then zeros past its length (one pass over the bytes)
+    aux = torch.empty(b, t, first.aux_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, k*H]
+    final = torch.empty(b, t, first.final_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, H]
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
-        aux[r, :n] = s.aux_hidden[:n].to(dtype)
-        final[r, :n] = s.final_hidden[:n].to(dtype)
+        aux[r, :n] = s.aux_hidden[:n]
+        final[r, :n] = s.final_hidden[:n]
+        aux[r, n:] = 0
+        final[r, n:] = 0
     return aux, final
 
 
 def _padded_fp8(samples: Sequence, lens: Sequence[int], pin_memory: bool = False) -> tuple[torch.Tensor, ...]:
     """Codes and scales padded on the CPU (zero codes with zero scales decode to the zero padding)."""
     b, t, first = len(samples), max(lens), samples[0].fp8
-    parts = tuple(torch.zeros(b, t, x.shape[-1], dtype=x.dtype, pin_memory=pin_memory)
+    parts = tuple(torch.empty(b, t, x.shape[-1], dtype=x.dtype, pin_memory=pin_memory)
                   for x in (first.aux_codes, first.aux_scale, first.final_codes, first.final_scale))
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
         for dst, src in zip(parts, (s.fp8.aux_codes, s.fp8.aux_scale, s.fp8.final_codes, s.fp8.final_scale),
                             strict=True):
             dst[r, :n] = src[:n]
+            dst[r, n:] = 0
     return parts
 
 

@@ -12,6 +12,7 @@ it again, which would cost a reading thread about as much time as the read itsel
 from __future__ import annotations
 
 import hashlib
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +43,22 @@ class ExtractionStore:
         return len(self._entries)
 
     def _read(self, i: int) -> contract.Shard:
+        """The shard mapped (copy-on-write) and decoded in place: its tensors are views of the page cache, so a
+        batch's padding copy is the only copy of its bytes."""
+        from eaglenest.store.shards import decode_mapped
+
         entry = self._entries[i]
-        data = (self._capture / entry.shard).read_bytes()
+        path = self._capture / entry.shard
+        try:
+            with open(path, "rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file cannot be mapped
+            raise contract.ContractError(f"{path}: empty shard file") from None
         if i not in self._verified:
-            if hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise contract.ContractError(f"{self._capture / entry.shard}: sha256 differs from the ledger's")
+            if hashlib.sha256(buf).hexdigest() != entry.sha256:
+                raise contract.ContractError(f"{path}: sha256 differs from the ledger's")
             self._verified.add(i)
-        return contract.decode_shard(data, where=str(self._capture / entry.shard))
+        return decode_mapped(buf, str(path))
 
     def __getitem__(self, i: int) -> StoreSample:
         from eaglenest.extraction.ledger import spans_to_mask
