@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
+from eaglenest.speculative.kernels import MAX_ROWS, skinny_linear_i8
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
@@ -32,10 +33,21 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
 
-class FastDrafter:
-    """Inference-only view of a drafter (shares its tensors; fused copies of q/k/v and gate/up)."""
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] -> (int8 [N, K], fp32 scale [N]): symmetric, one scale per output row (w ~ q * scale)."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
 
-    def __init__(self, draft: Eagle3Drafter) -> None:
+
+class FastDrafter:
+    """Inference-only view of a drafter (shares its tensors; fused copies of q/k/v and gate/up).
+
+    ``int8``: the linear weights also in int8 with a scale per output row (:func:`quantize_rows`); a forward
+    of a few bf16 rows then streams half the bytes (``skinny_linear_i8``); longer extends and machines
+    without the kernel use the dequantized weights."""
+
+    def __init__(self, draft: Eagle3Drafter, *, int8: bool = False) -> None:
         cfg, layer = draft.config, draft.midlayer
         at = layer.self_attn
         self.draft, self.cfg = draft, cfg
@@ -44,6 +56,11 @@ class FastDrafter:
         w = {"qkv": torch.cat((at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)).contiguous(),
              "o": at.o_proj.weight, "gate_up": torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
              "down": layer.mlp.down_proj.weight, "fc": draft.fc.weight, "head": draft.lm_head.weight}
+        self.int8 = int8
+        self.q: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (int8 weight, fp32 scale per row)
+        if int8:
+            self.q = {k: quantize_rows(v) for k, v in w.items()}
+            w = {k: (q.float() * sc[:, None]).to(w[k].dtype) for k, (q, sc) in self.q.items()}
         self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
         self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()
         self.n_post, self.n_final = layer.post_attention_layernorm.weight.float(), draft.norm.weight.float()
@@ -62,6 +79,11 @@ class FastDrafter:
         return self._lin(aux.to(self.dtype), "fc")
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.int8 and x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            kernel = skinny_linear_i8()
+            q, scale = self.q[name]
+            if kernel is not None and q.shape[0] % 4 == 0:
+                return kernel(x, q, scale)
         return linear(x, *self.w[name])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

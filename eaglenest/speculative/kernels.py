@@ -5,9 +5,11 @@ weight, streaming it like a GEMV) and :func:`decode_attention` (grouped-query at
 rows over a preallocated cache) are None where they cannot (no AVX512-BF16, no compiler, a failed
 build, or ``EAGLENEST_SKINNY=0``); callers fall back to oneDNN and SDPA. Both compute each row
 exactly as they would alone (fixed summation orders, masked keys skipped), so in bf16 a verify
-forward reproduces the 1-row decode steps bit for bit. The first use on a machine compiles them
-(~30 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and rebuilds it when the
-source changes).
+forward reproduces the 1-row decode steps bit for bit. :func:`skinny_linear_i8` is the linear kernel
+over int8 weights with a scale per weight row: half the bytes to stream from memory, slower than bf16
+on weights already in cache (it converts each value). The first use on a machine compiles them (~30 s on
+2 cores; torch caches the build under ``~/.cache/torch_extensions`` and rebuilds it when the source
+changes).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
     """``f(x [M, K] bf16, w [N, K] bf16) -> x @ w.T [M, N] bf16`` (M <= :data:`MAX_ROWS`, N % 4 == 0), or None."""
     mod = _module()
     return None if mod is None else mod.skinny_linear
+
+
+def skinny_linear_i8() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``f(x [M, K] bf16, w [N, K] int8, scale [N] fp32) -> (x @ w.T) * scale [M, N] bf16`` (M <= :data:`MAX_ROWS`,
+    N % 4 == 0), or None."""
+    mod = _module()
+    return None if mod is None else mod.skinny_linear_i8
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:

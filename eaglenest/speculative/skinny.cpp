@@ -5,6 +5,9 @@
 //   the weights like a 1-row GEMV.
 // - decode_attention: grouped-query attention of S new rows over one layer's preallocated keys/values,
 //   each head's keys and values read once for all its rows.
+// - skinny_linear_i8: the same product over int8 weights with one fp32 scale per weight row (half the
+//   bytes of bf16 to stream; each int8 value is exact in bf16, so the dot products are skinny_linear's
+//   over the dequantized row, scaled once at the end).
 //
 // Each output row is computed by the same instruction sequence whatever the other rows are (fixed
 // k order and reduction trees, fp32 accumulation, one round to bf16; masked keys skipped, never
@@ -294,5 +297,94 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+namespace {
+
+// 32 int8 weights at p -> 32 bf16 (exact: |v| <= 128 fits bf16's 8-bit mantissa)
+inline __m512bh load32_i8(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m512bh load_i8_masked(const int8_t* p, int64_t left) {  // left < 32 values, zeros after them
+  alignas(64) int8_t buf[32] = {0};
+  std::copy(p, p + left, buf);
+  return load32_i8(buf);
+}
+
+template <int R>
+inline void row_dot_i8(const uint16_t* x, const int8_t* wr, int64_t K, __m512* out) {
+  __m512 a[R], b[R];
+  for (int m = 0; m < R; ++m) a[m] = b[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = load32_i8(wr + k), w1 = load32_i8(wr + k + 32);
+    for (int m = 0; m < R; ++m) {
+      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
+      b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
+    }
+  }
+  for (; k < K; k += 32) {
+    const int64_t left = std::min<int64_t>(32, K - k);
+    const __mmask32 mask = (__mmask32)((1ull << left) - 1);
+    const __m512bh w0 = left == 32 ? load32_i8(wr + k) : load_i8_masked(wr + k, left);
+    for (int m = 0; m < R; ++m)
+      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
+  }
+  for (int m = 0; m < R; ++m) out[m] = _mm512_add_ps(a[m], b[m]);
+}
+
+template <int R>
+inline void tile_i8(const uint16_t* x, const int8_t* w, const float* scale, int64_t K, int64_t n0, c10::BFloat16* y,
+                    int64_t N) {
+  __m512 acc[NJ][R];
+  for (int j = 0; j < NJ; ++j) row_dot_i8<R>(x, w + (n0 + j) * K, K, acc[j]);
+  const __m128 sc = _mm_loadu_ps(scale + n0);
+  for (int m = 0; m < R; ++m) {
+    __m128bh h = _mm_cvtneps_pbh(_mm_mul_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), sc));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y + m * N + n0), (__m128i)h);
+  }
+}
+
+void rows_tile_i8(const uint16_t* x, int64_t M, const int8_t* w, const float* scale, int64_t K, int64_t n0,
+                  c10::BFloat16* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const uint16_t* xm = x + m0 * K;
+    c10::BFloat16* ym = y + m0 * N;
+    switch (std::min<int64_t>(MB, M - m0)) {
+      case 1: tile_i8<1>(xm, w, scale, K, n0, ym, N); break;
+      case 2: tile_i8<2>(xm, w, scale, K, n0, ym, N); break;
+      case 3: tile_i8<3>(xm, w, scale, K, n0, ym, N); break;
+      default: tile_i8<4>(xm, w, scale, K, n0, ym, N); break;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor skinny_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
+              "skinny_linear_i8: bf16 x, int8 w and fp32 scale expected");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && scale.dim() == 1 && scale.size(0) == w.size(0),
+              "skinny_linear_i8: x [M, K], w [N, K], scale [N]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.device().is_cpu(),
+              "skinny_linear_i8: contiguous CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(N % NJ == 0, "skinny_linear_i8: output features must be a multiple of ", NJ);
+  auto y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = w.data_ptr<int8_t>();
+  const auto* sp = scale.data_ptr<float>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t tiles = N / NJ;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));  // ~64 KB of weights per task
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rows_tile_i8(xp, M, wp, sp, K, t * NJ, yp, N);
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "y = x @ w.T, bf16, few rows");
-  m.def("decode_attention", &decode_attention, "grouped-query attention of a few bf16 rows"); }
+  m.def("decode_attention", &decode_attention, "grouped-query attention of a few bf16 rows");
+  m.def("skinny_linear_i8", &skinny_linear_i8, "y = x @ (w * scale).T, bf16 x, int8 w, few rows"); }

@@ -29,6 +29,29 @@ def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k
         assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (3, 16000, 576), (4, 576, 6144), (5, 8, 100), (16, 12, 40)])
+def test_int8_skinny_is_x_times_the_dequantized_weight(m, n, k):
+    """int8 weights with a scale per row: the product of x and the dequantized weight; rows independent."""
+    from eaglenest.speculative.drafting import quantize_rows
+
+    f = kernels.skinny_linear_i8()
+    if f is None:
+        pytest.skip("skinny kernel unavailable here (no AVX512-BF16 or no compiler)")
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g).to(torch.bfloat16), torch.randn(n, k, generator=g) * 0.05
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and scale.shape == (n,)
+    deq = q.float() * scale[:, None]
+    assert float((deq - w).abs().max()) <= float(scale.max()) / 2 + 1e-7  # rounding to the nearest level
+    y = f(x, q, scale)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ deq.T, rtol=1e-2, atol=2e-3 * k ** 0.5)
+    for i in range(m):
+        assert torch.equal(f(x[i: i + 1].contiguous(), q, scale)[0], y[i])
+    with pytest.raises(RuntimeError, match="int8 w"):
+        f(x, w.to(torch.bfloat16), scale)
+
+
 def test_skinny_refuses_what_it_cannot_compute(skinny):
     w = torch.randn(8, 32).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 4"):

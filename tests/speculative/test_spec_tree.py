@@ -45,6 +45,19 @@ def test_shapes_parse_validate_and_map_to_sglang_flags():
         SpecShape(depth=3, min_prob=0.12345678901234)
     with pytest.raises(ValueError, match="no confidence stop"):
         SpecConfig.of(c)
+    for name in ("chain2q8", "chain5p0.4q8", "tree4x4n12q8"):  # int8 drafter weights: part of the name
+        q8 = SpecShape.parse(name)
+        assert q8.int8 and q8.name == name and q8.to_json()["int8"] is True
+        assert SpecShape.parse(name.removesuffix("q8")) == SpecShape(**{**_fields(q8), "int8": False})
+    assert "int8" not in SpecShape.parse("chain2").to_json()
+    with pytest.raises(ValueError, match="int8 drafter weights"):
+        SpecConfig.of(SpecShape.parse("chain2q8"))
+    with pytest.raises(ValueError):
+        SpecShape.parse("q8chain2")
+
+
+def _fields(shape: SpecShape) -> dict:
+    return {f: getattr(shape, f) for f in ("depth", "topk", "draft_tokens", "min_prob", "int8")}
 
 
 def test_confidence_stop_is_the_product_of_the_draft_probabilities():
@@ -141,7 +154,34 @@ def test_fast_drafter_equals_the_reference_drafter(spec_tiny):
         assert st.length == cache.length == n + 3
 
 
-@pytest.mark.parametrize("shape", ["tree2x2n3", "tree3x3n9", "tree4x4n16",
+def test_int8_fast_drafter_streams_int8_weights_and_drafts_nearly_the_same(spec_tiny, monkeypatch):
+    """bf16 rows through the int8 kernel (counted), logits within int8 rounding of the bf16 drafter's."""
+    from eaglenest.speculative import drafting, kernels
+
+    kernel = kernels.skinny_linear_i8()
+    if kernel is None:
+        pytest.skip("skinny kernel unavailable here (no AVX512-BF16 or no compiler)")
+    calls = []
+    monkeypatch.setattr(drafting, "skinny_linear_i8", lambda: lambda *a: calls.append(a[1].shape) or kernel(*a))
+    runner, _, fitted, seqs, plens = spec_tiny
+    draft = load_exported_drafter(fitted, embed_weight=runner.model.get_input_embeddings().weight,
+                                  dtype=torch.bfloat16)
+    s, n = seqs[2], plens[2]
+    aux = runner.capture([s])[0].aux_hidden[None]
+    logits = {}
+    with torch.inference_mode():
+        for int8 in (False, True):
+            fd = FastDrafter(draft, int8=int8)
+            st = DraftState(fd, 2)
+            fd.forward(st, torch.tensor(s[1: n]), fd.project(aux[0, : n - 1]), torch.arange(n - 1), None)
+            _, logits[int8] = fd.forward(st, torch.tensor(s[n: n + 1]), fd.project(aux[0, n - 1: n]),
+                                         torch.tensor([n - 1]), None)
+    assert len(calls) >= 5  # the one-row forward's qkv, o, gate_up, down and head (and fc) took the int8 kernel
+    a, b = logits[False].float(), logits[True].float()
+    assert float((a - b).norm() / a.norm()) < 0.05
+
+
+@pytest.mark.parametrize("shape", ["tree2x2n3", "tree3x3n9", "tree4x4n16", "tree3x3n9q8",
                                    pytest.param("tree5x3n12", marks=pytest.mark.slow),
                                    pytest.param("tree2x4n8", marks=pytest.mark.slow)])
 def test_tree_speculation_equals_target_only(spec_tiny, shape):
