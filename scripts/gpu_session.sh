@@ -29,7 +29,8 @@
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 80000), TRAIN_MINUTES (8.5,
-# a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), DRAFTERS
+# a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
+# from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; empty: free prompts), DRAFTERS
 # (wide; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -242,7 +243,10 @@ train)
   grid=${GRID:-$W/grid.json}
   # the measured best recipe: TTT 4, lr 2e-3, draft vocab 16000, the draft MLP 4x the target's (at equal tokens 0.10
   # above the target's width on held-out @3, trained as fast: results/2026-12-02b-h200)
-  [ -f "$grid" ] || echo '{"wide": {"draft_vocab_size": 16000, "ttt_steps": 4, "lr": 0.002, "draft_intermediate_size": 6144}}' > "$grid"
+  # INIT_FROM (an exported drafter folder carried with the call, e.g. .gpu-drafters/cont): continue from it (its
+  # vocabulary and MLP width are kept); 15.3M + 33.9M tokens this way gave the best drafter so far (2026-12-02c)
+  init=; [ -z "${INIT_FROM:-}" ] || init=", \"init_from\": \"$(realpath "$INIT_FROM")\""
+  [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S per config, so the step schedule finishes
   # and the budget stays a safety stop. Measured per config: 80.4-80.7K tok/s two at once on first-turn samples
   # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01)

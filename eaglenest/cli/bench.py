@@ -181,7 +181,7 @@ def offline(
     """Simulated accept length of a drafter: on a store's held-out split, or calibrated on prompt sets."""
     from eaglenest.speculative.bench import model_path, offline_step
 
-    # the store's estimate keeps SGLang's default depth (3) unless --steps says another
+    # the store's estimate uses the default depth (SpecConfig.num_steps) unless --steps says another
     cfg = params if params.num_steps is not None else params.model_copy(update={"num_steps": params.spec.num_steps})
     if prompt_set or prompts_file:
         _offline_on_prompts(draft=cfg.draft, prompt_sets=prompt_set or [], prompts_file=prompts_file,

@@ -8,6 +8,7 @@ import pytest
 
 from eaglenest.speculative import prompts as P
 from eaglenest.speculative.bench import BenchConfig
+from eaglenest.speculative.serve import SpecConfig
 
 
 def test_config_validation_names_the_field(tmp_path):
@@ -15,7 +16,8 @@ def test_config_validation_names_the_field(tmp_path):
         BenchConfig(draft="d", num_steps=3, num_draft_tokens=3)
     with pytest.raises(ValueError, match="target_concurrency"):
         BenchConfig(draft="d", concurrencies=[1, 4], target_concurrency=16)
-    assert BenchConfig(draft="d", engine="embedded", topk=2, num_draft_tokens=6).spec.shape.name == "tree3x2n5"
+    depth = SpecConfig().num_steps  # the default depth
+    assert BenchConfig(draft="d", engine="embedded", topk=2, num_draft_tokens=6).spec.shape.name == f"tree{depth}x2n5"
     assert BenchConfig(draft="d", engine="sglang", topk=2, num_steps=3, num_draft_tokens=6).spec.draft_tokens == 6
 
 

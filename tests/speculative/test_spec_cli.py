@@ -53,6 +53,7 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
     import pytest
 
     from eaglenest.speculative.bench import BenchConfig, _spec_json
+    from eaglenest.speculative.serve import SpecConfig
     from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
     best = measured_best_shape()
@@ -62,7 +63,8 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
     assert BenchConfig(draft="/d", num_steps=3).spec_shape == SpecShape(depth=3)
     assert BenchConfig(draft="/d", shape="chain4p0.35").spec_shape == SpecShape(depth=4, min_prob=0.35)
     sglang = BenchConfig(draft="/d", engine="sglang")
-    assert sglang.spec_shape == SpecShape(depth=3) and "shape" not in _spec_json(sglang)
+    # SGLang's depth is SpecConfig's default (the measured best there), not the CPU's shape
+    assert sglang.spec_shape == SpecShape(depth=SpecConfig().num_steps) and "shape" not in _spec_json(sglang)
     with pytest.raises(ValueError, match="embedded"):
         BenchConfig(draft="/d", engine="sglang", shape="chain3")
     with pytest.raises(ValueError, match="not both"):
