@@ -35,16 +35,47 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// One weight row against rows [0, R) of x: two accumulator sets over alternating 32-element chunks
+// A weight matrix [N, K] read as bf16 pairs for the dot products: stored in bf16, or in int8 with one fp32
+// scale per row (each int8 value is exact in bf16; the row's scale multiplies its finished sums).
+struct Bf16Weights {
+  const uint16_t* w;
+  int64_t K;
+  __m512bh full(int64_t n, int64_t k) const { return (__m512bh)_mm512_loadu_si512(w + n * K + k); }
+  __m512bh part(int64_t n, int64_t k, int64_t left) const {  // the first left (< 32) values, zeros after
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), w + n * K + k);
+  }
+  __m128 scale4(int64_t) const { return _mm_set1_ps(1.0f); }  // (x * 1 is x, bit for bit)
+};
+
+// 32 int8 values at p -> 32 bf16
+inline __m512bh i8_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+struct Int8Weights {
+  const int8_t* w;
+  const float* scale;
+  int64_t K;
+  __m512bh full(int64_t n, int64_t k) const { return i8_to_bf16(w + n * K + k); }
+  __m512bh part(int64_t n, int64_t k, int64_t left) const {
+    alignas(64) int8_t buf[32] = {0};
+    std::copy(w + n * K + k, w + n * K + k + left, buf);
+    return i8_to_bf16(buf);
+  }
+  __m128 scale4(int64_t n0) const { return _mm_loadu_ps(scale + n0); }
+};
+
+// Weight row n against rows [0, R) of x: two accumulator sets over alternating 32-element chunks
 // (two independent dependency chains), added at the end; the K tail goes to the first set.
-template <int R>
-inline void row_dot(const uint16_t* x, const uint16_t* wr, int64_t K, __m512* out) {
+template <int R, class W>
+inline void row_dot(const uint16_t* x, const W& wt, int64_t n, int64_t K, __m512* out) {
   __m512 a[R], b[R];
   for (int m = 0; m < R; ++m) a[m] = b[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
-    __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+    const __m512bh w0 = wt.full(n, k), w1 = wt.full(n, k + 32);
     for (int m = 0; m < R; ++m) {
       a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
       b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
@@ -53,7 +84,7 @@ inline void row_dot(const uint16_t* x, const uint16_t* wr, int64_t K, __m512* ou
   for (; k < K; k += 32) {
     const int64_t left = std::min<int64_t>(32, K - k);
     const __mmask32 mask = (__mmask32)((1ull << left) - 1);
-    __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+    const __m512bh w0 = left == 32 ? wt.full(n, k) : wt.part(n, k, left);
     for (int m = 0; m < R; ++m)
       a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
   }
@@ -62,28 +93,43 @@ inline void row_dot(const uint16_t* x, const uint16_t* wr, int64_t K, __m512* ou
 
 // Rows [0, R) of x against weight rows n0 .. n0 + NJ - 1, one weight row after another: one memory
 // stream per thread (two or more interleaved weight rows streamed measurably slower here).
-template <int R>
-inline void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, c10::BFloat16* y, int64_t N) {
+template <int R, class W>
+inline void tile(const uint16_t* x, const W& wt, int64_t K, int64_t n0, c10::BFloat16* y, int64_t N) {
   __m512 acc[NJ][R];
-  for (int j = 0; j < NJ; ++j) row_dot<R>(x, w + (n0 + j) * K, K, acc[j]);
-  for (int m = 0; m < R; ++m) {  // four sums rounded to bf16 (nearest even) in one instruction
-    __m128bh h = _mm_cvtneps_pbh(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+  for (int j = 0; j < NJ; ++j) row_dot<R>(x, wt, n0 + j, K, acc[j]);
+  const __m128 sc = wt.scale4(n0);
+  for (int m = 0; m < R; ++m) {  // four sums (scaled) rounded to bf16 (nearest even) in one instruction
+    __m128bh h = _mm_cvtneps_pbh(_mm_mul_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), sc));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(y + m * N + n0), (__m128i)h);
   }
 }
 
-void rows_tile(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t n0, c10::BFloat16* y,
-               int64_t N) {
+template <class W>
+void rows_tile(const uint16_t* x, int64_t M, const W& wt, int64_t K, int64_t n0, c10::BFloat16* y, int64_t N) {
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const uint16_t* xm = x + m0 * K;
     c10::BFloat16* ym = y + m0 * N;
     switch (std::min<int64_t>(MB, M - m0)) {
-      case 1: tile<1>(xm, w, K, n0, ym, N); break;
-      case 2: tile<2>(xm, w, K, n0, ym, N); break;
-      case 3: tile<3>(xm, w, K, n0, ym, N); break;
-      default: tile<4>(xm, w, K, n0, ym, N); break;
+      case 1: tile<1>(xm, wt, K, n0, ym, N); break;
+      case 2: tile<2>(xm, wt, K, n0, ym, N); break;
+      case 3: tile<3>(xm, wt, K, n0, ym, N); break;
+      default: tile<4>(xm, wt, K, n0, ym, N); break;
     }
   }
+}
+
+// y[M, N] = x[M, K] @ W^T over N / NJ tiles shared by the threads (about 64 KB of weights per task).
+template <class W>
+at::Tensor skinny(const at::Tensor& x, const W& wt, int64_t N, int64_t bytes_per_weight) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K * bytes_per_weight / 2, 1));
+  at::parallel_for(0, N / NJ, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rows_tile(xp, M, wt, K, t * NJ, yp, N);
+  });
+  return y;
 }
 
 }  // namespace
@@ -93,18 +139,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
               "skinny_linear: bf16 x and w expected");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu(), "skinny_linear: contiguous CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(N % NJ == 0, "skinny_linear: output features must be a multiple of ", NJ);
-  auto y = at::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t tiles = N / NJ;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));  // ~64 KB of weights per task
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rows_tile(xp, M, wp, K, t * NJ, yp, N);
-  });
-  return y;
+  TORCH_CHECK(w.size(0) % NJ == 0, "skinny_linear: output features must be a multiple of ", NJ);
+  const Bf16Weights wt{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), x.size(1)};
+  return skinny(x, wt, w.size(0), 2);
 }
 
 
@@ -298,71 +335,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 
-namespace {
-
-// 32 int8 weights at p -> 32 bf16 (exact: |v| <= 128 fits bf16's 8-bit mantissa)
-inline __m512bh load32_i8(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-inline __m512bh load_i8_masked(const int8_t* p, int64_t left) {  // left < 32 values, zeros after them
-  alignas(64) int8_t buf[32] = {0};
-  std::copy(p, p + left, buf);
-  return load32_i8(buf);
-}
-
-template <int R>
-inline void row_dot_i8(const uint16_t* x, const int8_t* wr, int64_t K, __m512* out) {
-  __m512 a[R], b[R];
-  for (int m = 0; m < R; ++m) a[m] = b[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh w0 = load32_i8(wr + k), w1 = load32_i8(wr + k + 32);
-    for (int m = 0; m < R; ++m) {
-      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), w0);
-      b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32), w1);
-    }
-  }
-  for (; k < K; k += 32) {
-    const int64_t left = std::min<int64_t>(32, K - k);
-    const __mmask32 mask = (__mmask32)((1ull << left) - 1);
-    const __m512bh w0 = left == 32 ? load32_i8(wr + k) : load_i8_masked(wr + k, left);
-    for (int m = 0; m < R; ++m)
-      a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), w0);
-  }
-  for (int m = 0; m < R; ++m) out[m] = _mm512_add_ps(a[m], b[m]);
-}
-
-template <int R>
-inline void tile_i8(const uint16_t* x, const int8_t* w, const float* scale, int64_t K, int64_t n0, c10::BFloat16* y,
-                    int64_t N) {
-  __m512 acc[NJ][R];
-  for (int j = 0; j < NJ; ++j) row_dot_i8<R>(x, w + (n0 + j) * K, K, acc[j]);
-  const __m128 sc = _mm_loadu_ps(scale + n0);
-  for (int m = 0; m < R; ++m) {
-    __m128bh h = _mm_cvtneps_pbh(_mm_mul_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), sc));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(y + m * N + n0), (__m128i)h);
-  }
-}
-
-void rows_tile_i8(const uint16_t* x, int64_t M, const int8_t* w, const float* scale, int64_t K, int64_t n0,
-                  c10::BFloat16* y, int64_t N) {
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const uint16_t* xm = x + m0 * K;
-    c10::BFloat16* ym = y + m0 * N;
-    switch (std::min<int64_t>(MB, M - m0)) {
-      case 1: tile_i8<1>(xm, w, scale, K, n0, ym, N); break;
-      case 2: tile_i8<2>(xm, w, scale, K, n0, ym, N); break;
-      case 3: tile_i8<3>(xm, w, scale, K, n0, ym, N); break;
-      default: tile_i8<4>(xm, w, scale, K, n0, ym, N); break;
-    }
-  }
-}
-
-}  // namespace
-
 at::Tensor skinny_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "skinny_linear_i8: bf16 x, int8 w and fp32 scale expected");
@@ -370,19 +342,9 @@ at::Tensor skinny_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::
               "skinny_linear_i8: x [M, K], w [N, K], scale [N]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.device().is_cpu(),
               "skinny_linear_i8: contiguous CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(N % NJ == 0, "skinny_linear_i8: output features must be a multiple of ", NJ);
-  auto y = at::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = w.data_ptr<int8_t>();
-  const auto* sp = scale.data_ptr<float>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t tiles = N / NJ;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));  // ~64 KB of weights per task
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rows_tile_i8(xp, M, wp, sp, K, t * NJ, yp, N);
-  });
-  return y;
+  TORCH_CHECK(w.size(0) % NJ == 0, "skinny_linear_i8: output features must be a multiple of ", NJ);
+  const Int8Weights wt{w.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(1)};
+  return skinny(x, wt, w.size(0), 1);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "y = x @ w.T, bf16, few rows");
