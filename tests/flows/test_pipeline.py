@@ -204,9 +204,25 @@ def test_demo_is_fixed_work_and_its_headline_explains_its_numbers():
         return TrainOutput(run_dir="t", status=status, step=96)
 
     text = _headline(PipelineSummary(run_dir="runs/demo", extraction_id="x", extract=ex, train=train("done")))
-    assert "not expected to pay off" in text and "H200" in text and "2.74" in text
+    assert "not expected to pay off" in text and "H200" in text and "2.40 live on MT-Bench" in text
     assert "time budget" in _headline(PipelineSummary(run_dir="r", extraction_id="x", extract=ex,
                                                       train=train("time_budget")))
     demo_cmd = get_command(app).commands["demo"]  # `eaglenest demo` must not write into make demo's folder
     out_default = next(o.default for o in demo_cmd.params if o.name == "out")
     assert str(out_default) != "runs/demo"
+
+
+def test_a_new_measured_default_shape_reruns_the_bench_stage(monkeypatch, tmp_path):
+    """Without shape flags the bench runs the day's measured best shape: a new one is a new bench, not a skip."""
+    from eaglenest.pipeline import bench_key
+    from eaglenest.speculative import bench as bench_mod
+    from eaglenest.speculative.bench import BenchConfig
+    from eaglenest.speculative.tree import SpecShape
+
+    cfg = BenchConfig(draft=str(tmp_path / "d"), engine="embedded")
+    pinned = cfg.model_copy(update={"shape": "chain2"})  # an explicit shape does not follow the default
+    monkeypatch.setattr(bench_mod, "measured_best_shape", lambda: SpecShape(depth=1))
+    before, pinned_before = bench_key(cfg), bench_key(pinned)
+    assert bench_key(cfg) == before
+    monkeypatch.setattr(bench_mod, "measured_best_shape", lambda: SpecShape(depth=1, int8=True))
+    assert bench_key(cfg) != before and bench_key(pinned) == pinned_before
