@@ -103,10 +103,8 @@ def stage(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtype:
     ids = torch.empty(b, t, dtype=torch.int64, pin_memory=pin_memory)
     mask = torch.empty(b, t, dtype=torch.bool, pin_memory=pin_memory)
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
-        ids[r, :n] = s.input_ids[:n]
-        mask[r, :n] = s.loss_mask[:n]
-        ids[r, n:] = 0
-        mask[r, n:] = False
+        _put_row(ids, r, s.input_ids, n)
+        _put_row(mask, r, s.loss_mask, n)
     staged = Staged(input_ids=ids, loss_mask=mask, lengths=torch.tensor(lens, dtype=torch.int64),
                     indices=tuple(int(i) for i in indices), samples=samples, dtype=dtype)
     if all(getattr(s, "fp8", None) is not None for s in samples):
@@ -126,17 +124,21 @@ def collate(samples: Sequence, indices: Sequence[int], *, max_seq_len: int, dtyp
     return stage(samples, indices, max_seq_len=max_seq_len, dtype=dtype).to_batch(device)
 
 
+def _put_row(dst: torch.Tensor, r: int, src: torch.Tensor, n: int) -> None:
+    """Row ``r`` of an unfilled padded buffer: the first ``n`` entries of ``src`` (converted to ``dst``'s dtype),
+    zeros after them. Each byte is written once, where a zero-filled buffer would be written twice."""
+    dst[r, :n] = src[:n]
+    dst[r, n:] = 0
+
+
 def _padded_states(samples: Sequence, lens: Sequence[int], dtype: torch.dtype,
                    pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     b, t, first = len(samples), max(lens), samples[0]
-    # not zero-filled: each row is written once, its states then zeros past its length (one pass over the bytes)
     aux = torch.empty(b, t, first.aux_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, k*H]
     final = torch.empty(b, t, first.final_hidden.shape[-1], dtype=dtype, pin_memory=pin_memory)  # [B, T, H]
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
-        aux[r, :n] = s.aux_hidden[:n]
-        final[r, :n] = s.final_hidden[:n]
-        aux[r, n:] = 0
-        final[r, n:] = 0
+        _put_row(aux, r, s.aux_hidden, n)
+        _put_row(final, r, s.final_hidden, n)
     return aux, final
 
 
@@ -148,8 +150,7 @@ def _padded_fp8(samples: Sequence, lens: Sequence[int], pin_memory: bool = False
     for r, (s, n) in enumerate(zip(samples, lens, strict=True)):
         for dst, src in zip(parts, (s.fp8.aux_codes, s.fp8.aux_scale, s.fp8.final_codes, s.fp8.final_scale),
                             strict=True):
-            dst[r, :n] = src[:n]
-            dst[r, n:] = 0
+            _put_row(dst, r, src, n)
     return parts
 
 

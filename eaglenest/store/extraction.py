@@ -12,7 +12,6 @@ it again, which would cost a reading thread about as much time as the read itsel
 from __future__ import annotations
 
 import hashlib
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +44,11 @@ class ExtractionStore:
     def _read(self, i: int) -> contract.Shard:
         """The shard mapped (copy-on-write) and decoded in place: its tensors are views of the page cache, so a
         batch's padding copy is the only copy of its bytes."""
-        from eaglenest.store.shards import decode_mapped
+        from eaglenest.store.shards import decode_mapped, map_shard
 
         entry = self._entries[i]
         path = self._capture / entry.shard
-        try:
-            with open(path, "rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except ValueError:  # an empty file cannot be mapped
-            raise contract.ContractError(f"{path}: empty shard file") from None
+        buf = map_shard(path)
         if i not in self._verified:
             if hashlib.sha256(buf).hexdigest() != entry.sha256:
                 raise contract.ContractError(f"{path}: sha256 differs from the ledger's")

@@ -150,16 +150,23 @@ def decode_mapped(buf: mmap.mmap, where: str) -> Shard:
     return shard
 
 
+def map_shard(path: Path) -> mmap.mmap:
+    """A shard file mapped copy-on-write (tensors decoded from it are views of the page cache and may be written
+    to without touching the file). Raises ContractError for an empty file (it cannot be mapped)."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except ValueError:
+        raise ContractError(f"{path}: empty shard file") from None
+
+
 def load_shard(capture_dir: Path, entry: LedgerEntry, provenance: Provenance) -> Shard:
     """Map, hash against the ledger, decode in place and check one shard."""
     path = capture_dir / entry.shard
     try:
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf = map_shard(path)
     except FileNotFoundError:
         raise ConvertInputError(f"shard {path} of sample {entry.sample_id!r} vanished during conversion") from None
-    except ValueError:  # an empty file cannot be mapped
-        raise ContractError(f"{path}: empty shard file") from None
     if hashlib.sha256(buf).hexdigest() != entry.sha256:
         raise ConvertInputError(
             f"{path}: sha256 differs from the ledger entry of {entry.sample_id!r} (changed after validation); "
