@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
-from eaglenest.speculative.kernels import MAX_ROWS, skinny_linear_i8
+from eaglenest.speculative.kernels import skinny_fits, skinny_linear_i8
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
@@ -79,11 +79,8 @@ class FastDrafter:
         return self._lin(aux.to(self.dtype), "fc")
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        if self.int8 and x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            kernel = skinny_linear_i8()
-            q, scale = self.q[name]
-            if kernel is not None and q.shape[0] % 4 == 0:
-                return kernel(x, q, scale)
+        if self.int8 and skinny_fits(x, self.q[name][0]):
+            return skinny_linear_i8()(x.reshape(-1, x.shape[-1]), *self.q[name]).view(*x.shape[:-1], -1)
         return linear(x, *self.w[name])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

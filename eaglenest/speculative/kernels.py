@@ -75,8 +75,9 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` runs on the skinny kernel here: bf16, CPU, at most :data:`MAX_ROWS`
-    rows, contiguous, output features a multiple of 4."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+    """Whether ``x @ weight.T`` runs on a skinny kernel here: bf16 rows, a bf16 weight (:func:`skinny_linear`) or an
+    int8 one (:func:`skinny_linear_i8`), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple
+    of 4."""
+    return (x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.int8) and x.device.type == "cpu"
             and x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] % 4 == 0 and x.is_contiguous()
             and weight.is_contiguous() and skinny_linear() is not None)
