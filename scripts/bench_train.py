@@ -176,12 +176,13 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
                   tuple(range(b))).to(dev)
     ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     counts = step_counts(batch.loss_mask, args.k).tolist()
+    scales = torch.tensor([0.8**i / c for i, c in enumerate(counts)], device=dev)
 
     def one_step() -> None:
         with ctx():
             rows = target_rows(batch, head, ids, model.t2d)
             res = ttt_forward(model, batch, rows, args.k)
-            loss = sum(r.loss_sum * (0.8**i) / c for i, (r, c) in enumerate(zip(res, counts, strict=True)))
+            loss = (res.loss_sum * scales).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -89,12 +89,13 @@ def evaluate(
             with autocast or contextlib.nullcontext():
                 rows = target_rows(batch, head_full, draft_ids, model.t2d)
                 results = ttt_forward(model, batch, rows, k)
-            for i, res in enumerate(results):
-                row = rows.row_of[:, 1 + i :]
-                kept[i] += int(rows.in_vocab[row[row >= 0]].sum())
-                loss_sum[i] += float(res.loss_sum)
-                correct[i] += int(res.correct)
-                counted[i] += res.counted
+            step_kept, step_loss, step_correct = (x.tolist() for x in (results.kept, results.loss_sum,
+                                                                       results.correct))
+            for i in range(k):
+                kept[i] += int(step_kept[i])
+                loss_sum[i] += float(step_loss[i])
+                correct[i] += int(step_correct[i])
+                counted[i] += results.counted[i]
             masks = [m[:n].tolist() for m, n in zip(batch.loss_mask.cpu(), batch.lengths.tolist(), strict=True)]
             for d in range(1, k + 1):
                 al_sum[d - 1] += accept_lengths(results, rows, d)[0]

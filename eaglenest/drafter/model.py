@@ -144,9 +144,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.normalize(x), x.dtype)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x [.., H] -> x / rms(x) in fp32, before the weight (no parameter: computed once, scaled per use)."""
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A normalised fp32 ``h`` times the weight, cast to ``dtype``."""
+        return (h * self.weight.float()).to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +167,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, S, D]; cos/sin [B, S, D] (fp32)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+    xf = x.float()  # rotated in fp32: the same values as rotating then casting, one cast fewer
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class DraftAttention(nn.Module):
@@ -212,7 +220,11 @@ class DraftLayer(nn.Module):
 
     def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[B, S, H] x2 -> [B, S, 2H]: normed embeddings first, then the normed hidden."""
-        return torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        return self.join(self.input_layernorm(embeds), hidden)
+
+    def join(self, normed_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`attn_input` of embeddings already through ``input_layernorm``."""
+        return torch.cat((normed_embeds, self.hidden_norm(hidden)), dim=-1)
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Residual adds around the attention output and the MLP; returns the pre-norm output [B, S, H]."""

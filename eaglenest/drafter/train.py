@@ -79,10 +79,10 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, rows, k: int, scales: list[float]):
+    def forward(self, batch, rows, k: int, scales: torch.Tensor):
+        """``scales`` [k] fp32 on the device: the weight of each step's loss sum."""
         results = ttt_forward(self.drafter, batch, rows, k)
-        loss = sum(r.loss_sum * s for r, s in zip(results, scales, strict=True))
-        return loss, results
+        return (results.loss_sum * scales).sum(), results
 
 
 def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
@@ -247,11 +247,13 @@ class Trainer:
         if d.world > 1:
             packed = self._all_reduce(torch.cat([counts, ntok.view(1)]))
             counts, ntok = packed[:k], packed[k]
-        scales = [w * d.world / max(float(c), 1.0) for w, c in zip(self.weights, counts.tolist(), strict=True)]
+        scales = torch.tensor([w * d.world / max(float(c), 1.0) for w, c in zip(self.weights, counts.tolist(),
+                                                                                  strict=True)])
+        scales = scales.to(self.device, non_blocking=True)  # [k] fp32 (as a Python float scale is applied)
         lr_used = self.optimizer.param_groups[0]["lr"]
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_loss, nonfinite = zero, zero
-        step_loss, step_correct = [zero] * k, [zero] * k
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        nonfinite = total_loss
+        step_loss = step_correct = torch.zeros(k, dtype=torch.float64, device=self.device)
         for a, batch in enumerate(batches):
             sync = a == len(batches) - 1 or d.world == 1
             with contextlib.nullcontext() if sync else self.objective.no_sync():
@@ -262,10 +264,10 @@ class Trainer:
             done = loss.detach().double()
             total_loss = total_loss + done / d.world
             nonfinite = nonfinite + (~torch.isfinite(done)).double()
-            step_loss = [x + r.loss_sum.detach().double() for x, r in zip(step_loss, results, strict=True)]
-            step_correct = [x + r.correct.double() for x, r in zip(step_correct, results, strict=True)]
+            step_loss = step_loss + results.loss_sum.detach().double()
+            step_correct = step_correct + results.correct.double()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
-        values = torch.stack([total_loss, nonfinite, *step_loss, *step_correct, grad_norm.double()])
+        values = torch.cat([torch.stack([total_loss, nonfinite]), step_loss, step_correct, grad_norm.double()[None]])
         t0 = time.perf_counter()
         values = values.cpu()  # the step's one read: the host waits here for the device's math
         self.split["device_wait"] += time.perf_counter() - t0

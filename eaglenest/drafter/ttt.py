@@ -49,21 +49,43 @@ class RowPlan:
     num_tokens: int
     """Real (unpadded) tokens of the batch."""
     cols: torch.Tensor  # [M] int64 on the host: column j of each loss row (j >= 1), in (b, j) order
-    flat: torch.Tensor  # [M] int64 on the batch's device: flat index b*T + j of each loss row
+    host_flat: torch.Tensor  # [M] int64 on the host: flat index b*T + j of each loss row
+    flat: torch.Tensor  # [M] int64 on the batch's device: the same
 
     @property
     def num_rows(self) -> int:
         return int(self.cols.numel())
 
-    def step(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """TTT step ``i``: the loss rows it counts (``j >= 1 + i``) as (their row numbers [N], the flat index
-        of their anchor ``t = j - 1 - i`` [N], N), both index tensors on the device."""
-        sel = torch.nonzero(self.cols >= 1 + i).squeeze(1)  # [N] on the host
-        rows = sel.to(self.flat.device, non_blocking=True)
-        return rows, self.flat.index_select(0, rows) - (1 + i), int(sel.numel())
+    def step_counts(self, k: int) -> list[int]:
+        """Rows counted by each TTT step ``i < k``: the loss rows with ``j >= 1 + i``."""
+        return (self.cols >= torch.arange(1, k + 1)[:, None]).sum(1).tolist()
+
+    def unrolled(self, k: int, width: int) -> UnrolledRows:
+        """The (step, row) pairs of k TTT steps over a batch of ``width`` = B*T positions, as one index set."""
+        i = torch.arange(k)[:, None]  # [k, 1]
+        valid = self.cols >= 1 + i  # [k, M]
+        anchor = self.host_flat - 1 - i  # [k, M] flat index of anchor t = j - 1 - i (where valid)
+        src = torch.where(valid, anchor, 0) + i * width
+        dst = torch.where(valid, anchor, width) + i * (width + 1)
+        packed = torch.stack((src, dst, valid.long())).to(self.flat.device, non_blocking=True)  # [3, k, M]
+        return UnrolledRows(src=packed[0].view(-1), dst=packed[1].view(-1), valid=packed[2].bool(),
+                            counted=tuple(valid.sum(1).tolist()))
 
     def to(self, device: torch.device | str) -> RowPlan:
-        return RowPlan(self.num_tokens, self.cols, self.flat.to(device, non_blocking=True))
+        return RowPlan(self.num_tokens, self.cols, self.host_flat, self.host_flat.to(device, non_blocking=True))
+
+
+@dataclass(frozen=True, slots=True)
+class UnrolledRows:
+    """Every TTT step's loss rows in one layout, [k, M]: pair (i, m) is loss row m scored by step i from its
+    anchor ``t = j - 1 - i``. A pair whose anchor would fall before the sample (``j < 1 + i``) is not counted:
+    it reads position 0 of the step's output and weighs 0, so all k steps share one gather, one head and one
+    loss."""
+
+    src: torch.Tensor  # [k*M] int64 on the device: row of the k stacked step outputs [k*B*T] of each pair
+    dst: torch.Tensor  # [k*M] int64 on the device: its anchor in [k, B*T + 1] (uncounted pairs: the last slot)
+    valid: torch.Tensor  # [k, M] bool on the device: the pair is counted
+    counted: tuple[int, ...]  # [k] counted pairs per step, on the host
 
 
 def row_plan(loss_mask: torch.Tensor, lengths: torch.Tensor) -> RowPlan:
@@ -72,7 +94,8 @@ def row_plan(loss_mask: torch.Tensor, lengths: torch.Tensor) -> RowPlan:
     mask = loss_mask.detach().cpu().clone()
     mask[:, 0] = False
     b, j = mask.nonzero(as_tuple=True)
-    return RowPlan(int(lengths.sum()), j, (b * mask.shape[1] + j).to(loss_mask.device))
+    flat = b * mask.shape[1] + j
+    return RowPlan(int(lengths.sum()), j, flat, flat.to(loss_mask.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +138,36 @@ class TargetRows:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
+    """One TTT step's share of a :class:`TTTResult`."""
+
     loss_sum: torch.Tensor  # [] differentiable sum of KL over counted in-vocab rows
     correct: torch.Tensor  # [] int64 on the batch's device (read it when the step is done, not per step)
     counted: int
     match: torch.Tensor  # [B, T] bool at anchors (False where not counted)
 
 
+@dataclass(frozen=True, slots=True)
+class TTTResult:
+    """The k TTT steps of one batch, each statistic one tensor over the steps (read back once, not per step)."""
+
+    loss_sum: torch.Tensor  # [k] differentiable sum of KL over counted in-vocab rows
+    correct: torch.Tensor  # [k] int64 on the batch's device
+    kept: torch.Tensor  # [k] int64: counted rows whose target argmax is in the draft vocabulary
+    counted: tuple[int, ...]  # [k] on the host
+    match: torch.Tensor  # [k, B, T] bool at anchors (False where not counted)
+
+    def __len__(self) -> int:
+        return len(self.counted)
+
+    def __getitem__(self, i: int) -> StepResult:
+        return StepResult(self.loss_sum[i], self.correct[i], self.counted[i], self.match[i])
+
+
 def step_counts(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
     """[k] number of counted rows per TTT step: loss rows j with j >= 1 + i."""
     col = torch.arange(loss_mask.shape[1], device=loss_mask.device)
-    return torch.stack([(loss_mask & (col >= 1 + i)).sum() for i in range(k)]).to(torch.float64)
+    first = torch.arange(1, k + 1, device=loss_mask.device)[:, None]  # [k, 1]
+    return (loss_mask[:, None, :] & (col >= first)).sum((0, 2)).to(torch.float64)
 
 
 @torch.no_grad()
@@ -163,83 +206,81 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, ks: list[torch.Tensor],
-                  vs: list[torch.Tensor]) -> torch.Tensor:
+                  vs: list[torch.Tensor], future: torch.Tensor) -> torch.Tensor:
     """Query of step i at anchor t over step-0 keys (causal) and its own chain keys of steps 1..i.
 
-    q, k0, v0, ks[j], vs[j]: [B, nh, T, hd] (kv already repeated to nh heads) -> [B, nh, T, hd].
+    q, k0, v0, ks[j], vs[j]: [B, nh, T, hd] (kv already repeated to nh heads); future [T, T] bool, True above
+    the diagonal (the step-0 keys a query may not see) -> [B, nh, T, hd].
     One softmax over [T step-0 scores ; i chain scores] per query (in the compute dtype: the CPU
     kernel accumulates in fp32).
     """
     t = q.shape[2]
     q = q * q.shape[-1] ** -0.5
-    s0 = q @ k0.transpose(-1, -2)  # [B, nh, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    s0 = s0.masked_fill_(~causal, float("-inf"))
+    s0 = (q @ k0.transpose(-1, -2)).masked_fill_(future, float("-inf"))  # [B, nh, T, T]
     sd = (torch.stack(ks, dim=-2) @ q[..., None]).squeeze(-1)  # [B, nh, T, i]
     p0, pd = torch.softmax(torch.cat((s0, sd), dim=-1), dim=-1).split([t, len(ks)], dim=-1)
     return p0 @ v0 + (pd[..., None, :] @ torch.stack(vs, dim=-2)).squeeze(-2)
 
 
 def unroll(model: Eagle3Drafter, batch: Batch, k: int):
-    """Yield the drafter's pre-norm output [B, T, H] of each TTT step (anchor t in column t)."""
+    """Yield the drafter's pre-norm output [B, T, H] of each TTT step (anchor t in column t).
+
+    What does not depend on the step is computed once for all k: the normalised embeddings of every token a
+    step reads (step i reads column ``t + 1 + i``, zeros past the end), RoPE's tables for positions
+    ``0 .. T + k - 2`` (step i reads ``t + i``) and the causal mask."""
     cfg = model.config
     layer, attn = model.midlayer, model.midlayer.self_attn
     n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
-    b, t = batch.input_ids.shape
+    t = batch.input_ids.shape[1]
     hidden = model.project(batch.aux_hidden)  # [B, T, H]
+    ids = F.pad(batch.input_ids, (0, k))  # [B, T + k] token x[c] in column c, 0 past the end
+    embeds = model.embed(ids)  # [B, T + k, H]
+    normed = layer.input_layernorm.normalize(embeds)  # [B, T + k, H] fp32, before the norm's weight
+    cos, sin = rope_cos_sin(torch.arange(t + k - 1, device=hidden.device)[None], cfg.head_dim, cfg.rope_theta)
+    future = torch.ones(t, t, dtype=torch.bool, device=hidden.device).triu(1)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(k):
-        ids = shift_left(batch.input_ids, 1 + i)  # [B, T] token x[t+1+i]
-        pos = (torch.arange(t, device=hidden.device) + i).expand(b, t)
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
-        q, key, val = attn.qkv(layer.attn_input(model.embed(ids), hidden), cos, sin)
+        e = layer.input_layernorm.scale(normed[:, 1 + i : 1 + i + t], embeds.dtype)  # [B, T, H] token x[t+1+i]
+        q, key, val = attn.qkv(layer.join(e, hidden), cos[:, i : i + t], sin[:, i : i + t])  # position t + i
         key, val = repeat_kv(key, n_rep), repeat_kv(val, n_rep)
         if i == 0:
             a = F.scaled_dot_product_attention(q, key, val, is_causal=True)
         else:
-            a = ttt_attention(q, keys[0], values[0], [*keys[1:], key], [*values[1:], val])
+            a = ttt_attention(q, keys[0], values[0], [*keys[1:], key], [*values[1:], val], future)
         keys.append(key)
         values.append(val)
         hidden = layer.finish(attn.out(a), hidden)  # [B, T, H] fed back to the next step
         yield hidden
 
 
-def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) -> list[StepResult]:
-    """Unroll k TTT steps over a batch; returns one StepResult per step (losses keep their graph)."""
-    return [_step_loss(model, out, rows, i) for i, out in enumerate(unroll(model, batch, k))]
+def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) -> TTTResult:
+    """Unroll k TTT steps over a batch and score all of them at once (the losses keep their graph).
 
-
-def _step_loss(model: Eagle3Drafter, out: torch.Tensor, rows: TargetRows, i: int) -> StepResult:
-    r, anchors, n = rows.plan.step(i)  # [N] target rows counted at step i, [N] flat index of their anchor t
-    b, t, h = out.shape
-    z = model.head(out.reshape(b * t, h).index_select(0, anchors))  # [N, Vd] draft logits (bf16 under autocast)
-    logq = F.log_softmax(z.float(), dim=-1)  # (faster than logsumexp on CPU)
-    # all M rows (the usual case: loss starts after the prompt) means r is the identity: no [N, Vd] gather
-    every = n == rows.p.shape[0]
-
-    def take(x: torch.Tensor) -> torch.Tensor:
-        return x if every else x.index_select(0, r)
-
-    kl = take(rows.neg_entropy) - (take(rows.p) * logq).sum(-1)  # [N] KL(p || q) = sum p log p - sum p log q
-    loss_sum = (kl * take(rows.in_vocab)).sum()
+    The counted (step, row) pairs of every step are gathered from the stacked step outputs into one
+    [k*M, H] block, so the head, the log-softmax, the KL and the accuracy run once per batch, not per step."""
+    outs = torch.stack(list(unroll(model, batch, k)))  # [k, B, T, H]
+    _, b, t, h = outs.shape
+    u = rows.plan.unrolled(k, b * t)
+    m = rows.p.shape[0]
+    z = model.head(outs.view(k * b * t, h).index_select(0, u.src))  # [k*M, Vd] draft logits (bf16 under autocast)
+    logq = F.log_softmax(z.float(), dim=-1).view(k, m, z.shape[-1])  # (faster than logsumexp on CPU)
+    kl = rows.neg_entropy - (rows.p * logq).sum(-1)  # [k, M] KL(p || q) = sum p log p - sum p log q
+    keep = u.valid & rows.in_vocab  # [k, M]
+    loss_sum = (kl * keep).sum(-1)  # [k]
     with torch.no_grad():
-        hit = model.to_target_ids(z.max(-1).indices) == take(rows.argmax)  # [N] (max() beats argmax in bf16)
-        match = torch.zeros(b * t, dtype=torch.bool, device=out.device).index_copy_(0, anchors, hit).view(b, t)
-    return StepResult(loss_sum=loss_sum, correct=hit.sum(), counted=n, match=match)
+        hit = (model.to_target_ids(z.max(-1).indices).view(k, m) == rows.argmax) & u.valid  # (max() beats argmax)
+        match = torch.zeros(k * (b * t + 1), dtype=torch.bool, device=outs.device).index_copy_(0, u.dst, hit.view(-1))
+        match = match.view(k, b * t + 1)[:, : b * t].view(k, b, t)
+    return TTTResult(loss_sum=loss_sum, correct=hit.sum(-1), kept=keep.sum(-1), counted=u.counted, match=match)
 
 
-def accepted_drafts(results: list[StepResult], depth: int) -> torch.Tensor:
+def accepted_drafts(results: TTTResult, depth: int) -> torch.Tensor:
     """[B, T] int64: leading matching steps (accepted drafts) of the chain anchored at t, at most ``depth``."""
-    run = torch.ones_like(results[0].match)
-    accepted = torch.zeros(run.shape, dtype=torch.int64, device=run.device)
-    for res in results[:depth]:
-        run = run & res.match
-        accepted += run
-    return accepted
+    return results.match[:depth].long().cumprod(0).sum(0)
 
 
-def accept_lengths(results: list[StepResult], rows: TargetRows, depth: int) -> tuple[float, int]:
+def accept_lengths(results: TTTResult, rows: TargetRows, depth: int) -> tuple[float, int]:
     """(sum of simulated accept lengths, number of anchors) at draft depth ``depth`` (bonus included)."""
     anchors = shift_left(rows.row_of, 1, fill=-1) >= 0  # [B, T]
     accepted = accepted_drafts(results, depth)

@@ -8,8 +8,8 @@ from test_drafter_model import tiny_drafter
 from eaglenest.drafter.model import DraftKVCache
 from eaglenest.drafter.ttt import (
     Batch,
-    StepResult,
     TargetRows,
+    TTTResult,
     accept_lengths,
     step_counts,
     target_rows,
@@ -75,7 +75,9 @@ def test_accept_length_counts_leading_matches_plus_bonus():
                       argmax=torch.zeros(7, dtype=torch.int64),
                       in_vocab=torch.ones(7, dtype=torch.bool))
     m = [[1, 1, 0, 1, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
-    res = [StepResult(torch.tensor(0.0), torch.tensor(0), 0, torch.tensor([x], dtype=torch.bool)) for x in m]
+    res = TTTResult(loss_sum=torch.zeros(3), correct=torch.zeros(3, dtype=torch.int64),
+                    kept=torch.zeros(3, dtype=torch.int64), counted=(0, 0, 0),
+                    match=torch.tensor(m, dtype=torch.bool)[:, None])  # [k, B=1, T]
     total, n = accept_lengths(res, rows, 3)
     # anchor0: 3 matches -> 4; anchor1: step1 miss -> 2; anchor2: step0 miss -> 1; anchor3: 3 -> 4; rest 1
     assert n == 7 and total == 4 + 2 + 1 + 4 + 1 + 1 + 1
@@ -108,3 +110,51 @@ def test_step_loss_is_the_kl_to_the_target_on_counted_rows_with_gradient():
         torch.testing.assert_close(res.loss_sum, want, rtol=1e-4, atol=1e-5)
     sum(r.loss_sum for r in results).backward()
     assert model.fc.weight.grad is not None and model.embed_weight.grad is None
+
+
+def test_batched_ttt_losses_accuracies_and_gradients_equal_the_kv_cached_chain():
+    """ttt_forward scores all k steps in one block; every (anchor, step) pair scored on its own through the
+    inference path (a KV-cached chain) gives the same losses, accuracies, matches and gradients (fp32)."""
+    k, scales = 4, [0.8**i for i in range(4)]
+    model = tiny_drafter(seed=3)
+    batch = make_batch(model, [13, 9], seed=4)
+    batch.loss_mask[0, 1:13] = True  # loss from column 1: pairs whose anchor falls before the sample
+    head = torch.randn(model.config.vocab_size, model.config.hidden_size)
+    draft_ids = model.to_target_ids(torch.arange(model.config.draft_vocab_size))
+    rows = target_rows(batch, head, draft_ids, model.t2d)
+    res = ttt_forward(model, batch, rows, k)
+    sum(res.loss_sum[i] * s for i, s in enumerate(scales)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    b, t = batch.input_ids.shape
+    loss, correct, counted = [torch.tensor(0.0)] * k, [0] * k, [0] * k
+    match = torch.zeros(k, b, t, dtype=torch.bool)
+    for row in range(b):
+        ids, aux = batch.input_ids[row : row + 1], batch.aux_hidden[row : row + 1]
+        for anchor in range(t - 1):
+            cache = DraftKVCache()
+            out = model.extend(ids[:, 1 : anchor + 2], aux[:, : anchor + 1], torch.arange(anchor + 1)[None], cache)
+            for i in range(k):
+                j = anchor + 1 + i
+                if j >= t:
+                    break
+                if i > 0:  # teacher-forced chain step i: token x[anchor+1+i] at position anchor+i
+                    out = model(ids[:, j : j + 1], out.hidden[:, -1:], torch.tensor([[anchor + i]]), cache)
+                r = int(rows.row_of[row, j])
+                if r < 0:
+                    continue
+                logits = out.logits[0, -1]
+                kl = rows.neg_entropy[r] - (rows.p[r] * torch.log_softmax(logits, -1)).sum()
+                loss[i] = loss[i] + kl * rows.in_vocab[r]
+                hit = bool(model.to_target_ids(logits.argmax()) == rows.argmax[r])
+                correct[i] += hit
+                counted[i] += 1
+                match[i, row, anchor] = hit
+    sum(x * s for x, s in zip(loss, scales, strict=True)).backward()
+    assert res.counted == tuple(counted) == tuple(step_counts(batch.loss_mask, k).long().tolist())
+    assert counted[1] < counted[0]  # the uncounted pairs are exercised
+    assert res.correct.tolist() == correct and torch.equal(res.match, match)
+    torch.testing.assert_close(res.loss_sum, torch.stack(loss).detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
