@@ -143,9 +143,10 @@ def target_lm_head(model_dir: str | Path) -> torch.Tensor:
 
 def write_random_draft(
     target_dir: str | Path, out_dir: str | Path, *, draft_vocab: int | None = None, seed: int = 0,
-    aux_layer_ids: Sequence[int] | None = None, std: float = 0.02,
+    aux_layer_ids: Sequence[int] | None = None, std: float = 0.02, intermediate_size: int | None = None,
 ) -> Path:
-    """An UNTRAINED drafter for ``target_dir`` in SGLang's export format (draft vocab = first ids)."""
+    """An UNTRAINED drafter for ``target_dir`` in SGLang's export format (draft vocab = first ids; draft MLP
+    ``intermediate_size`` wide, default the target's): the shape of a trained one, for timing a cycle."""
     from safetensors.torch import save_file
 
     from eaglenest import contract
@@ -153,7 +154,7 @@ def write_random_draft(
     t = json.loads((Path(target_dir) / "config.json").read_text())
     aux = tuple(aux_layer_ids or contract.default_aux_layer_ids(int(t["num_hidden_layers"])))
     dv = min(draft_vocab or int(t["vocab_size"]), int(t["vocab_size"]))
-    cfg = DrafterConfig.from_target(t, aux_layer_ids=aux, draft_vocab_size=dv)
+    cfg = DrafterConfig.from_target(t, aux_layer_ids=aux, draft_vocab_size=dv, intermediate_size=intermediate_size)
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg)
     model.reset_parameters(std)

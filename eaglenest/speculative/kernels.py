@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
 MAX_ROWS = 16
-"""Rows up to which the linear kernel runs. oneDNN's prepacked GEMM costs about the same for any few rows,
-the kernel ~1.2x its 1-row cost at 3-4 rows and more beyond (compute); up to here it keeps rows exact."""
+"""Rows up to which the linear kernel runs. oneDNN's prepacked GEMM costs about the same for any few rows; the
+kernel streaming SmolLM2's weights costs ~1.0x its 1-row time for 2 rows, ~1.07x for 4 and ~1.5x for 8
+(compute; ``scripts/bench_kernels_cpu.py``), and up to here it keeps rows exact."""
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
 
 

@@ -1,0 +1,106 @@
+"""A/B of two builds of the decode kernels (``skinny.cpp``) on the target's own weights, on the CPU.
+
+    python scripts/bench_kernels_cpu.py [--base REV_OR_FILE] [--rows 1,2,4,8] [--reps 30]
+
+Builds ``eaglenest/speculative/skinny.cpp`` as it is in the working tree (B) and as it is at ``--base``
+(A: a git revision, default HEAD, or a file), then times, alternating A and B, what a forward streams:
+
+- ``target``: every linear of the target (SmolLM2's 30 layers and its LM head) for rows of x, one weight
+  after another as a forward reads them (so they come from memory, not the cache);
+- ``draft``: a 4x-wide EAGLE-3 drafter's linears in int8 (MLP 6144, draft vocabulary 16000) for one row,
+  right after a 1-row target pass (cold, as in a speculation cycle).
+
+Prints medians in ms, GB/s of weights streamed and B/A, and checks that both builds give the same outputs.
+Load from other processes adds noise: wrap it in ``flock /tmp/bench.lock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path("eaglenest/speculative/skinny.cpp")
+
+
+def _base_source(base: str, tmp: Path) -> Path:
+    if Path(base).is_file():
+        return Path(base)
+    text = subprocess.run(["git", "show", f"{base}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
+    out = tmp / "skinny_base.cpp"
+    out.write_text(text)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="git revision or file of the A build (default HEAD)")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from torch.utils.cpp_extension import load
+
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.models import resolve_model
+    from eaglenest.speculative.drafting import quantize_rows
+    from eaglenest.speculative.kernels import FLAGS
+    from eaglenest.speculative.target import decode_target
+
+    tmp = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
+    builds = {"A": load(name="eaglenest_skinny_a", sources=[str(_base_source(a.base, tmp))], extra_cflags=FLAGS),
+              "B": load(name="eaglenest_skinny_b", sources=[str(SOURCE)], extra_cflags=FLAGS)}
+    runner = TargetRunner(resolve_model(a.model), dtype="bfloat16")
+    tg = decode_target(runner.model, runner.aux_layer_ids)
+    weights = [w for lw in tg.layers for w, _ in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [tg.head[0]]
+    h = weights[0].shape[1]
+    g = torch.Generator().manual_seed(0)
+    draft = [quantize_rows(torch.randn(n, k, generator=g).to(torch.bfloat16))
+             for n, k in ((h + 2 * h // 3, 2 * h), (h, h), (2 * 6144, h), (h, 6144), (h, 3 * h), (16000, h))]
+    rows = [int(r) for r in a.rows.split(",")]
+    widths = {w.shape[1] for w in weights} | {q.shape[1] for q, _ in draft}
+    xs = {(r, k): torch.randn(r, k, generator=g).to(torch.bfloat16) for r in rows for k in widths}
+    times: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        for rep in range(a.reps + 4):
+            for name in ("AB" if rep % 2 else "BA"):
+                mod = builds[name]
+                for r in rows:
+                    t = time.perf_counter()
+                    for w in weights:
+                        mod.skinny_linear(xs[(r, w.shape[1])], w)
+                    t1 = time.perf_counter()
+                    if r == 1:
+                        for q, sc in draft:
+                            mod.skinny_linear_i8(xs[(1, q.shape[1])], q, sc)
+                    t2 = time.perf_counter()
+                    if rep >= 4:
+                        times.setdefault((name, f"target x{r}"), []).append(t1 - t)
+                        if r == 1:
+                            times.setdefault((name, "draft"), []).append(t2 - t1)
+        for r in rows:
+            for w in (*weights[:4], weights[-1]):
+                x = xs[(r, w.shape[1])]
+                if not torch.equal(builds["A"].skinny_linear(x, w), builds["B"].skinny_linear(x, w)):
+                    print(f"outputs differ: rows {r}, weight {tuple(w.shape)}", file=sys.stderr)
+                    return 1
+    gb = {f"target x{r}": sum(w.numel() * w.element_size() for w in weights) / 1e9 for r in rows}
+    gb["draft"] = sum(q.numel() for q, _ in draft) / 1e9
+    print(f"{runner.model_dir.name}, {torch.get_num_threads()} threads, A = {a.base}, B = working tree")
+    for part in [*(f"target x{r}" for r in rows), "draft"]:
+        ta, tb = statistics.median(times[("A", part)]), statistics.median(times[("B", part)])
+        print(f"{part:10s} A {1e3 * ta:7.3f} ms ({gb[part] / ta:5.1f} GB/s)  B {1e3 * tb:7.3f} ms "
+              f"({gb[part] / tb:5.1f} GB/s)  B/A {tb / ta:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
