@@ -183,8 +183,10 @@ class Trainer:
         if d.world > 1:
             objective = nn.parallel.DistributedDataParallel(
                 objective, broadcast_buffers=False, device_ids=[device.index] if device.type == "cuda" else None)
+        # fused: the whole update is one kernel (per-parameter or foreach AdamW queues 8 ops or more, and reads
+        # each step count back to the host); AdamW's math, equal to the unfused one to fp32 rounding
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
-                                      weight_decay=config.weight_decay)
+                                      weight_decay=config.weight_decay, fused=True)
         lengths = [min(int(store.num_tokens[i]), config.max_seq_len) for i in train_idx]
         stream = BatchStream(lengths, max_tokens=config.max_tokens, seed=config.seed)
         total = schedule_steps(config, stream.batches_per_epoch(), d.world)
@@ -208,7 +210,11 @@ class Trainer:
         self.seconds_before = float(ck.state.get("train_seconds", 0))
         if self.step_no >= self.total:
             return True
-        self.optimizer.load_state_dict(ck.optimizer)
+        # the implementation (fused or not) is this code's choice, not the checkpoint's: loading takes a saved
+        # group's settings, and a fused AdamW keeps its step counts on the parameters' device
+        mine = {key: self.optimizer.param_groups[0][key] for key in ("fused", "foreach")}
+        self.optimizer.load_state_dict({**ck.optimizer,
+                                        "param_groups": [{**g, **mine} for g in ck.optimizer["param_groups"]]})
         self.scheduler.load_state_dict(ck.trainer["scheduler"])
         self.stream.load_state_dict(ck.trainer["stream"])
         torch.set_rng_state(ck.trainer["rng_torch"])

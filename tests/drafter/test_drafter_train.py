@@ -64,6 +64,27 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, tiny_model_dir,
     assert full.eval == resumed.eval and full.eval["anchors"] > 0
 
 
+def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused_and_exactly(tmp_path, tiny_model_dir, drafter_store):
+    """A checkpoint written before the trainer's AdamW was fused (its groups say fused=None) resumes the same run,
+    with the fused optimizer: the implementation is the code's choice, not the checkpoint's."""
+    full_cfg = config(tmp_path / "a", tiny_model_dir, max_steps=4)
+    full, _ = train_events(full_cfg, drafter_store)
+    cut_cfg = config(tmp_path / "b", tiny_model_dir, max_steps=4)
+    train_events(cut_cfg, drafter_store, stop_at=3)  # the last save at step 2
+    latest = CheckpointManager(cut_cfg.out_dir).latest()
+    opt = torch.load(latest / "optimizer.pt", weights_only=True)
+    assert all(g["fused"] for g in opt["param_groups"])
+    opt["param_groups"] = [{**g, "fused": None, "foreach": None} for g in opt["param_groups"]]
+    torch.save(opt, latest / "optimizer.pt")
+    resumed, second = train_events(cut_cfg, drafter_store)
+    assert [e["step"] for e in second] == [3, 4]
+    assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
+    wa, wb = weights(full_cfg.out_dir), weights(cut_cfg.out_dir)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    opt = torch.load(CheckpointManager(cut_cfg.out_dir).latest() / "optimizer.pt", weights_only=True)
+    assert all(g["fused"] for g in opt["param_groups"])
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_look_ahead_computes_the_same_run_and_resumes_exactly(tmp_path, tiny_model_dir, drafter_store, steps):
     """Batches staged on helper threads 1 or 3 steps ahead: the same batches, losses and weights as reading
