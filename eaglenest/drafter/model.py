@@ -190,6 +190,22 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def fused_qkv_weight(self) -> torch.Tensor:
+        """[(nh + 2 nkv) * hd, 2H]: the q, k and v weights stacked (for :meth:`qkv_fused`), in the autocast dtype
+        when autocast is on (cast once here rather than at every use)."""
+        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        dev = w.device.type
+        return w.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w
+
+    def qkv_fused(self, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """:meth:`qkv` as one matmul over ``weight`` = :meth:`fused_qkv_weight` and one RoPE over the q and k
+        heads together (training reuses one stacked weight for every TTT step of a batch)."""
+        b, s, _ = x.shape
+        nh, nkv = self.num_heads, self.num_kv_heads
+        y = F.linear(x, weight).view(b, s, nh + 2 * nkv, self.head_dim).transpose(1, 2)  # [B, nh+2nkv, S, hd]
+        q, k = apply_rope(y[:, : nh + nkv], cos, sin).split([nh, nkv], dim=1)
+        return q, k, y[:, nh + nkv :]
+
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, nh, S, hd] -> [B, S, H]."""
         b, _, s, _ = attn.shape

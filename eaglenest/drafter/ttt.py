@@ -227,7 +227,7 @@ def unroll(model: Eagle3Drafter, batch: Batch, k: int):
 
     What does not depend on the step is computed once for all k: the normalised embeddings of every token a
     step reads (step i reads column ``t + 1 + i``, zeros past the end), RoPE's tables for positions
-    ``0 .. T + k - 2`` (step i reads ``t + i``) and the causal mask."""
+    ``0 .. T + k - 2`` (step i reads ``t + i``), the causal mask and the stacked q|k|v weight."""
     cfg = model.config
     layer, attn = model.midlayer, model.midlayer.self_attn
     n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -238,11 +238,12 @@ def unroll(model: Eagle3Drafter, batch: Batch, k: int):
     normed = layer.input_layernorm.normalize(embeds)  # [B, T + k, H] fp32, before the norm's weight
     cos, sin = rope_cos_sin(torch.arange(t + k - 1, device=hidden.device)[None], cfg.head_dim, cfg.rope_theta)
     future = torch.ones(t, t, dtype=torch.bool, device=hidden.device).triu(1)
+    w_qkv = attn.fused_qkv_weight()
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(k):
         e = layer.input_layernorm.scale(normed[:, 1 + i : 1 + i + t], embeds.dtype)  # [B, T, H] token x[t+1+i]
-        q, key, val = attn.qkv(layer.join(e, hidden), cos[:, i : i + t], sin[:, i : i + t])  # position t + i
+        q, key, val = attn.qkv_fused(layer.join(e, hidden), w_qkv, cos[:, i : i + t], sin[:, i : i + t])  # pos t+i
         key, val = repeat_kv(key, n_rep), repeat_kv(val, n_rep)
         if i == 0:
             a = F.scaled_dot_product_attention(q, key, val, is_causal=True)
