@@ -193,9 +193,7 @@ class DraftAttention(nn.Module):
     def fused_qkv_weight(self) -> torch.Tensor:
         """[(nh + 2 nkv) * hd, 2H]: the q, k and v weights stacked (for :meth:`qkv_fused`), in the autocast dtype
         when autocast is on (cast once here rather than at every use)."""
-        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        dev = w.device.type
-        return w.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w
+        return autocast_cast(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)))
 
     def qkv_fused(self, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """:meth:`qkv` as one matmul over ``weight`` = :meth:`fused_qkv_weight` and one RoPE over the q and k
@@ -222,6 +220,22 @@ class DraftMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def fused_gate_up_weight(self) -> torch.Tensor:
+        """[2I, H]: the gate and up weights stacked (for :meth:`fused`), in the autocast dtype when it is on."""
+        return autocast_cast(torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+
+    def fused(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with gate and up as one matmul over ``gate_up`` = :meth:`fused_gate_up_weight`."""
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def autocast_cast(w: torch.Tensor) -> torch.Tensor:
+    """A weight made of parameters, in the autocast dtype when autocast is on (autocast caches its casts of
+    parameters only, so a weight built from them is cast once by its maker rather than at every use)."""
+    dev = w.device.type
+    return w.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w
+
 
 class DraftLayer(nn.Module):
     """SGLang's EAGLE-3 input decoder layer (``midlayer`` in checkpoints, ``layers.0`` inside SGLang)."""
@@ -242,10 +256,13 @@ class DraftLayer(nn.Module):
         """:meth:`attn_input` of embeddings already through ``input_layernorm``."""
         return torch.cat((normed_embeds, self.hidden_norm(hidden)), dim=-1)
 
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Residual adds around the attention output and the MLP; returns the pre-norm output [B, S, H]."""
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, gate_up: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Residual adds around the attention output and the MLP; returns the pre-norm output [B, S, H].
+        ``gate_up``: the MLP's stacked gate|up weight (:meth:`DraftMLP.fused`), when the caller made one."""
         residual = attn_out + residual
-        return self.mlp(self.post_attention_layernorm(residual)) + residual
+        h = self.post_attention_layernorm(residual)
+        return (self.mlp(h) if gate_up is None else self.mlp.fused(h, gate_up)) + residual
 
 
 @dataclass(slots=True)

@@ -227,7 +227,7 @@ def unroll(model: Eagle3Drafter, batch: Batch, k: int):
 
     What does not depend on the step is computed once for all k: the normalised embeddings of every token a
     step reads (step i reads column ``t + 1 + i``, zeros past the end), RoPE's tables for positions
-    ``0 .. T + k - 2`` (step i reads ``t + i``), the causal mask and the stacked q|k|v weight."""
+    ``0 .. T + k - 2`` (step i reads ``t + i``), the causal mask and the stacked q|k|v and gate|up weights."""
     cfg = model.config
     layer, attn = model.midlayer, model.midlayer.self_attn
     n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -238,7 +238,7 @@ def unroll(model: Eagle3Drafter, batch: Batch, k: int):
     normed = layer.input_layernorm.normalize(embeds)  # [B, T + k, H] fp32, before the norm's weight
     cos, sin = rope_cos_sin(torch.arange(t + k - 1, device=hidden.device)[None], cfg.head_dim, cfg.rope_theta)
     future = torch.ones(t, t, dtype=torch.bool, device=hidden.device).triu(1)
-    w_qkv = attn.fused_qkv_weight()
+    w_qkv, w_gate_up = attn.fused_qkv_weight(), layer.mlp.fused_gate_up_weight()
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(k):
@@ -251,7 +251,7 @@ def unroll(model: Eagle3Drafter, batch: Batch, k: int):
             a = ttt_attention(q, keys[0], values[0], [*keys[1:], key], [*values[1:], val], future)
         keys.append(key)
         values.append(val)
-        hidden = layer.finish(attn.out(a), hidden)  # [B, T, H] fed back to the next step
+        hidden = layer.finish(attn.out(a), hidden, w_gate_up)  # [B, T, H] fed back to the next step
         yield hidden
 
 
