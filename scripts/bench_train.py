@@ -14,7 +14,8 @@ accept length at depths 1..k.
 shape, per precision and draft vocabulary, and prints tokens/s (no store needed):
 
     python scripts/bench_train.py step --tokens 4096 --seq 256 512 --vocab 8192 16384 32000 --precision bf16 fp32 \
-        [--device cuda] [--profile 15]   (--profile: the top ops of one more step, by self time)
+        [--device cuda] [--profile 15] [--ops]   (--profile: the top ops of one more step, by self time;
+                                                   --ops: the aten ops one more step queues, each counted once)
 
 ``read`` times the trainer's data path alone (an extraction folder or store read, padded and page-locked the
 way the trainer's look-ahead does it, no compute) for each number of steps read ahead, and prints tokens/s: the
@@ -169,7 +170,7 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
     model.d2t.copy_(ids - torch.arange(vd, device=dev))
     model.t2d.zero_()
     model.t2d[ids] = True
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the trainer's
     head = tt.lm_head.to(dev, dt)
     batch = Batch(torch.randint(0, v, (b, t)), torch.rand(b, t) < args.loss_share,
                   torch.randn(b, t, 3 * h).to(dt), torch.randn(b, t, h).to(dt), torch.full((b,), t),
@@ -197,6 +198,8 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
     best = min(times[1:])
     print(json.dumps({"device": dev.type, "precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
                       "step_s": round(best, 4), "tokens_per_s": round(b * t / best)}), flush=True)
+    if args.ops:
+        print(json.dumps({"precision": precision, "draft_vocab": vd, "k": args.k, **_count_ops(one_step)}), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -206,6 +209,30 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
             sync()
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
+
+
+def _count_ops(fn) -> dict:
+    """Aten ops that ``fn()`` dispatches to a backend (forward, backward and optimizer; an op's own internals not
+    counted again), and how many of them are views (no kernel): the host's per-op cost is what a GPU step
+    waits on when the host, not the device, is the limit."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops, self.views = Counter(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            self.views += func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        fn()
+    total = sum(c.ops.values())
+    return {"ops": total, "views": c.views, "non_view": total - c.views, "top": dict(c.ops.most_common(12))}
 
 
 def read_bench(args) -> None:
@@ -262,6 +289,7 @@ def main() -> None:
     s.add_argument("--model", default="default")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--profile", type=int, default=0, help="also print the top N ops of one profiled step")
+    s.add_argument("--ops", action="store_true", help="also count the aten ops of one more step")
     r = sub.add_parser("read")
     r.add_argument("--store", required=True, help="extraction folder or store URL")
     r.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 4], help="steps read ahead (0: in the step)")
