@@ -36,6 +36,7 @@ import torch
 
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
+from eaglenest.speculative.kernels import row_argmax
 from eaglenest.speculative.onednn import OneDNN, phase
 from eaglenest.speculative.target import decode_target
 from eaglenest.speculative.tree import DraftTree, SpecShape, accept, verify_inputs
@@ -108,7 +109,7 @@ def plain_greedy(
     with phase(onednn.prefill):
         logits, _ = target.forward(cache, torch.tensor([list(input_ids)], device=dev), last_only=True)
     t1 = time.perf_counter()
-    token, finish = int(torch.argmax(logits[-1])), "length"
+    token, finish = int(row_argmax(logits[-1:])[0]), "length"
     with phase(onednn.decode):
         while True:
             output.append(token)
@@ -118,7 +119,7 @@ def plain_greedy(
             if len(output) >= max_new_tokens:
                 break
             logits, _ = target.forward(cache, torch.tensor([[token]], device=dev))
-            token = int(torch.argmax(logits[-1]))
+            token = int(row_argmax(logits[-1:])[0])
     return PlainGeneration(output_ids=output, finish_reason=finish, prefill_s=t1 - t0,
                            decode_s=time.perf_counter() - t1)
 
@@ -177,7 +178,7 @@ class SpecDecoder:
         cache = target.new_cache(len(prompt) + max_new_tokens + self.shape.nodes + 1)
         with phase(self.onednn.prefill):  # the target's prompt and the drafter's extend over it
             logits, aux = target.forward(cache, torch.tensor([prompt], device=dev), aux=True, last_only=True)
-            root = int(torch.argmax(logits[-1]))
+            root = int(row_argmax(logits[-1:])[0])
             proposer = self.make_proposer()
             proposer.begin(prompt, aux, root)
         prefill_s = time.perf_counter() - t0
@@ -194,7 +195,7 @@ class SpecDecoder:
             ids, pos, mask = verify_inputs(root, tree, n, device=dev)
             with phase(self.onednn.rows(len(tree) + 1)):
                 logits, aux = target.forward(cache, ids, pos=pos, mask=mask, aux=True)
-            path, bonus = accept(tree, logits.argmax(dim=-1).tolist())
+            path, bonus = accept(tree, row_argmax(logits).tolist())
             a = len(path)
             rows = [0, *(i + 1 for i in path)]  # verify rows of the root and the accepted nodes
             target.keep_rows(cache, n, rows)

@@ -4,7 +4,9 @@ Owns how the embedded decoder runs the drafter per cycle, cheaply on a 2-core CP
 
 - :class:`FastDrafter`: the drafter's weights regrouped once (q/k/v and gate/up fused into one
   matmul each), RoPE tables computed once, attention over grouped KV heads without copying them
-  (``enable_gqa``); rows are batch-1 and 2-D ([S, H]), no module dispatch per op.
+  (``enable_gqa``); rows are batch-1 and 2-D ([S, H]), no module dispatch per op. In bf16 on a CPU with
+  the kernels of :mod:`~eaglenest.speculative.kernels`, each norm, the RoPE of q and k, the attention and the
+  argmax is one kernel call (a 1-row draft forward was ~290 torch ops, ~0.45 ms of a 2-core CPU's time).
 - :class:`DraftState`: one request's preallocated keys/values (no ``torch.cat`` per step; rolling
   back speculative rows is setting the length).
 - :class:`Eagle3Proposer`: the :class:`~eaglenest.speculative.decoder.Proposer` over them: one extend over
@@ -23,14 +25,19 @@ import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
-from eaglenest.speculative.kernels import skinny_fits, skinny_linear_i8
+from eaglenest.speculative.kernels import (
+    decode_attention,
+    rms_norm_out,
+    rope_,
+    row_argmax,
+    skinny_fits,
+    skinny_linear_i8,
+)
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+MAX_KERNEL_ROWS = 16
+"""Rows up to which a bf16 draft forward attends with the decode kernel (longer extends: SDPA)."""
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +73,9 @@ class FastDrafter:
         self.n_post, self.n_final = layer.post_attention_layernorm.weight.float(), draft.norm.weight.float()
         self.embed_weight, self.d2t = draft.embed_weight, draft.d2t
         self.dtype = draft.fc.weight.dtype
+        self._kernels = (self.dtype == torch.bfloat16 and self.d2t.device.type == "cpu" and self.hd % 32 == 0
+                         and self.hd <= 128 and cfg.hidden_size % 16 == 0 and decode_attention() is not None)
+        """bf16 on a CPU with the decode kernels: norms, RoPE, attention and argmax are one kernel call each."""
         self._cos = self._sin = torch.empty(0)
         self._rope(max(cfg.max_position_embeddings, 1))
 
@@ -93,33 +103,59 @@ class FastDrafter:
         S == 1, or a causal extend built here). Returns (pre-norm output [S, H], logits [S, Vd]).
         ``last_only``: output [1, H] and logits [1, Vd] of the last row only; the other rows only
         write their keys/values (all that later rows read of them in a one-layer drafter)."""
-        s, start = ids.shape[0], st.length
-        x = torch.cat((_rms(F.embedding(ids, self.embed_weight).to(self.dtype), self.n_in, self.eps),
-                       _rms(hidden, self.n_hid, self.eps)), dim=-1)  # [S, 2H]
+        s = ids.shape[0]
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        x = hidden.new_empty(s, 2 * hidden.shape[-1])  # [S, 2H]: the normed embeddings, then the normed features
+        self._rms(F.embedding(ids, self.embed_weight).to(self.dtype), self.n_in, x[:, : hidden.shape[-1]])
+        self._rms(hidden, self.n_hid, x[:, hidden.shape[-1]:])
         qkv = self._lin(x, "qkv")
-        q, k, v = qkv.split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), dim=-1)
         self._rope(int(pos.max()) + 1)
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [S, 1, hd]
-        k = _rotate(k.view(s, self.nkv, self.hd), cos, sin).transpose(0, 1)  # [nkv, S, hd]
-        keys, values = st.append(k, v.view(s, self.nkv, self.hd).transpose(0, 1))
+        qk = self._rotate(qkv[:, : (nh + nkv) * hd].view(s, nh + nkv, hd), self._cos[pos], self._sin[pos])
+        st.append(qk[:, nh:].transpose(0, 1), qkv[:, (nh + nkv) * hd:].view(s, nkv, hd).transpose(0, 1))
+        q = qk[:, :nh]  # [S, nh, hd]
         if last_only and s > 1:  # only the last row goes on; it attends to every row (no mask)
-            q, cos, sin, hidden, mask = q[-1:], cos[-1:], sin[-1:], hidden[-1:], None
-        q = _rotate(q.view(q.shape[0], self.nh, self.hd), cos, sin).transpose(0, 1)  # [nh, rows, hd]
-        residual = self._attend(q, keys, values, mask, start) + hidden
-        gate, up = self._lin(_rms(residual, self.n_post, self.eps), "gate_up").chunk(2, dim=-1)
+            q, hidden, mask = q[-1:], hidden[-1:], None
+        residual = self._attend(q, st, mask) + hidden
+        gate, up = self._lin(self._rms(residual, self.n_post), "gate_up").chunk(2, dim=-1)
         out = self._lin(F.silu(gate) * up, "down") + residual
-        return out, self._lin(_rms(out, self.n_final, self.eps), "head")
+        return out, self._lin(self._rms(out, self.n_final), "head")
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                start: int) -> torch.Tensor:
-        """q [nh, S, hd] over keys/values [nkv, length, hd] -> o_proj output [S, H] (one row: the target's
-        grouped single-query attention, :func:`~eaglenest.speculative.fastpath.one_query_attention`)."""
-        s = q.shape[1]
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of rows ``x`` [S, N] in fp32 (``w`` fp32), rounded once to the drafter's dtype, into ``out``
+        where given: the kernel's one call in bf16 (a chain of eight torch ops otherwise)."""
+        if self._kernels and x.stride(-1) == 1:
+            out = x.new_empty(x.shape) if out is None else out
+            rms_norm_out()(x, w, self.eps, out)
+            return out
+        h = x.float()
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
+        return y if out is None else out.copy_(y)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Neox RoPE of q and k heads ``x`` [S, heads, hd] at the positions of ``cos``/``sin`` [S, hd] (fp32): in
+        place by the kernel in bf16, else rotated in fp32 into a new tensor (``apply_rope``'s math)."""
+        if self._kernels:
+            rope_()(x, cos, sin)
+            return x
+        half = x.shape[-1] // 2
+        xf = x.float()
+        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+    def _attend(self, q: torch.Tensor, st: DraftState, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [rows, nh, hd] (the newest rows of ``st``) over its keys/values -> o_proj output [rows, H]. bf16: the
+        decode attention kernel (keys and values read in place); else SDPA (one row: the target's grouped
+        single-query attention, :func:`~eaglenest.speculative.fastpath.one_query_attention`)."""
+        s, end = q.shape[0], st.length
+        if self._kernels and s <= MAX_KERNEL_ROWS:
+            return self._lin(decode_attention()(q, st.k, st.v, end, mask), "o")
+        q = q.transpose(0, 1)  # [nh, rows, hd]
+        keys, values = st.k[:, :end], st.v[:, :end]
         if s == 1 and mask is None:
             attn = one_query_attention(q[None], keys[None], values[None])  # [1, nh, 1, hd]
             return self._lin(attn.reshape(1, self.nh * self.hd), "o")
         if mask is None:
-            mask = torch.ones(s, start + s, dtype=torch.bool).tril(diagonal=start)
+            mask = torch.ones(s, end, dtype=torch.bool).tril(diagonal=end - s)
         attn = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
                                               enable_gqa=self.nh != self.nkv)  # [1, nh, S, hd]
         return self._lin(attn[0].transpose(0, 1).reshape(s, self.nh * self.hd), "o")
@@ -129,14 +165,6 @@ def _top_prob(logits: torch.Tensor) -> float:
     """The softmax probability of the argmax of ``logits`` [Vd]."""
     lf = logits.float()
     return float(1.0 / torch.exp(lf - lf.max()).sum())
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox RoPE in fp32 (``apply_rope``'s math) on [S, heads, hd]."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class DraftState:
@@ -208,7 +236,7 @@ class Eagle3Proposer:
     def _chain(self, depth: int) -> DraftTree:
         fd, stop = self.fd, self.shape.min_prob
         last = self.last_logits  # [Vd]: the logits the newest draft was taken from
-        d = fd.to_target(last.argmax().view(1))  # [1]
+        d = fd.to_target(row_argmax(last[None]))  # [1]
         drafts, h = [d], self.last_hidden
         sure = 1.0  # the product of the drafts' own draft probabilities
         for i in range(depth - 1):
@@ -218,7 +246,7 @@ class Eagle3Proposer:
                     break
             h, logits = self._forward(d, h, torch.tensor([self.root_pos + i]), None)
             last = logits[0]
-            d = fd.to_target(last.argmax().view(1))
+            d = fd.to_target(row_argmax(last[None]))
             drafts.append(d)
         return DraftTree.chain(torch.cat(drafts).tolist())
 

@@ -75,6 +75,30 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     return None if mod is None else mod.decode_attention
 
 
+def rms_norm_out() -> Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor], None] | None:
+    """``f(x [S, N] bf16, w [N] fp32, eps, out [S, N] bf16)``: ``out = x / rms(x) * w`` row by row in fp32, one
+    rounding (``out`` may be a column block of a wider tensor; N % 16 == 0), or None."""
+    mod = _module()
+    return None if mod is None else mod.rms_norm_out
+
+
+def rope_() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """``f(x [S, heads, hd] bf16, cos [S, hd] fp32, sin [S, hd] fp32)``: neox RoPE in place (any row and head
+    strides; hd % 32 == 0), in fp32, or None."""
+    mod = _module()
+    return None if mod is None else mod.rope_
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, ``x`` [S, V] -> [S] int64 (the first of equal ones): one pass of
+    the kernel over bf16 rows on the CPU (torch's argmax took ~0.2 ms for SmolLM2's 49K logits), else
+    ``torch.argmax``. Only NaN rows differ: the kernel never picks NaN."""
+    mod = _module()
+    if mod is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1:
+        return mod.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` runs on a skinny kernel here: bf16 rows, a bf16 weight (:func:`skinny_linear`) or an
     int8 one (:func:`skinny_linear_i8`), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple

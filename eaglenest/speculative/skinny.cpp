@@ -360,6 +360,117 @@ at::Tensor skinny_linear_i8(const at::Tensor& x, const at::Tensor& w, const at::
   return skinny(x, wt, w.size(0), 1);
 }
 
+// ---- the small ops around the matmuls of a few rows: one call each instead of a chain of torch ops ----
+
+namespace {
+
+// sum of squares of x[0, n) (bf16), fp32 lanes then one reduction
+inline float sum_squares(const uint16_t* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float tail = 0.0f;
+  for (; i < n; ++i) {
+    const float v = c10::BFloat16(x[i], c10::BFloat16::from_bits());
+    tail += v * v;
+  }
+  return _mm512_reduce_add_ps(acc) + tail;
+}
+
+// bf16 [16] at p <- fp32 [16] (nearest even)
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+}  // namespace
+
+// out[s] = x[s] / rms(x[s]) * w (fp32 math, one rounding to bf16) for rows of x [S, N] and out [S, N] (bf16, unit
+// stride along N, any row stride: out may be a column block of a wider tensor).
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat,
+              "rms_norm_out: bf16 x and out, fp32 w");
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() &&
+              w.numel() == x.size(1) && x.size(1) % 16 == 0, "rms_norm_out: x, out [S, N] (N % 16 == 0), w [N]");
+  const int64_t S = x.size(0), N = x.size(1);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t r = 0; r < S; ++r) {
+    const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * x.stride(0);
+    auto* yr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * out.stride(0);
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum_squares(xr, N) / (float)N + (float)eps));
+    for (int64_t i = 0; i < N; i += 16)
+      store16(yr + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), _mm512_loadu_ps(wp + i)));
+  }
+}
+
+// Neox RoPE in place on x [S, heads, hd] (bf16, unit stride along hd, any row/head strides) with cos, sin [S, hd]
+// (fp32): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves, in fp32, rounded once.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_: bf16 x, fp32 cos and sin");
+  const int64_t S = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && half % 16 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.sizes() == sin.sizes() && cos.size(0) == S && cos.size(1) == hd,
+              "rope_: x [S, heads, hd] (hd % 32 == 0), cos/sin [S, hd]");
+  auto* base = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < S; ++r) {
+    const float* c = cos.data_ptr<float>() + r * hd;
+    const float* sn = sin.data_ptr<float>() + r * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* p = base + r * x.stride(0) + h * x.stride(1);
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 a = load16(p + i), b = load16(p + half + i);
+        store16(p + i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + i)),
+                                     _mm512_mul_ps(b, _mm512_loadu_ps(sn + i))));
+        store16(p + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + i)),
+                                            _mm512_mul_ps(a, _mm512_loadu_ps(sn + half + i))));
+      }
+    }
+  }
+}
+
+// The index of each row's largest value in x [S, V] (bf16, rows contiguous): the first one where several are equal,
+// as torch.argmax; NaN is never the largest (torch's argmax would pick it).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "argmax_rows: bf16 x [S, V]");
+  const int64_t S = x.size(0), V = x.size(1);
+  auto out = at::empty({S}, x.options().dtype(at::kLong));
+  auto* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < S; ++r) {
+    const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * x.stride(0);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i where = _mm512_set1_epi32(0), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {  // per lane: the first index of its largest value
+      const __m512 v = load16(xr + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, gt, v);
+      where = _mm512_mask_mov_epi32(where, gt, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    alignas(64) float bv[16];
+    alignas(64) int32_t bi[16];
+    _mm512_store_ps(bv, best);
+    _mm512_store_si512(bi, where);
+    float m = -INFINITY;
+    int64_t at_ = 0;
+    for (int l = 0; l < 16; ++l)
+      if (bv[l] > m || (bv[l] == m && bi[l] < at_)) m = bv[l], at_ = bi[l];
+    for (; i < V; ++i) {
+      const float v = c10::BFloat16(xr[i], c10::BFloat16::from_bits());
+      if (v > m) m = v, at_ = i;
+    }
+    op[r] = at_;
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "y = x @ w.T, bf16, few rows");
   m.def("decode_attention", &decode_attention, "grouped-query attention of a few bf16 rows");
-  m.def("skinny_linear_i8", &skinny_linear_i8, "y = x @ (w * scale).T, bf16 x, int8 w, few rows"); }
+  m.def("skinny_linear_i8", &skinny_linear_i8, "y = x @ (w * scale).T, bf16 x, int8 w, few rows");
+  m.def("rms_norm_out", &rms_norm_out, "out = x / rms(x) * w, bf16 rows, fp32 math");
+  m.def("rope_", &rope_, "neox RoPE in place on bf16 [S, heads, hd]");
+  m.def("argmax_rows", &argmax_rows, "first index of each bf16 row's maximum"); }

@@ -142,3 +142,74 @@ def test_bf16_speculation_is_lossless_on_the_kernels(skinny, tiny_model_dir, spe
         for ids in random_prompts(4, seed=21):
             ref = plain_greedy(runner, ids, max_new_tokens=30, ignore_eos=True).output_ids
             assert dec.generate(ids, max_new_tokens=30, ignore_eos=True).output_ids == ref
+
+
+def test_small_ops_match_their_torch_chains(skinny):
+    """rms_norm_out, rope_ and row_argmax: what the drafter's chains of torch ops compute (argmax: exactly)."""
+    from eaglenest.drafter.model import rope_cos_sin
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 1152, generator=g).to(torch.bfloat16), torch.randn(1152, generator=g)
+    out = torch.zeros(3, 2304, dtype=torch.bfloat16)
+    kernels.rms_norm_out()(x, w, 1e-5, out[:, 1152:])  # into a column block, as the drafter's input is built
+    h = x.float()
+    ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(torch.bfloat16)
+    torch.testing.assert_close(out[:, 1152:], ref, rtol=8e-3, atol=1e-6)
+    assert not out[:, :1152].any()
+    qkv = torch.randn(2, 960, generator=g).to(torch.bfloat16)
+    v = qkv[:, 768:].clone()
+    cos, sin = rope_cos_sin(torch.tensor([3, 900]), 64, 10000.0)
+    heads = qkv[:, :768].view(2, 12, 64)  # q and k heads of a fused projection: rows strided by 960
+    hf = heads.float()
+    ref = (hf * cos[:, None] + torch.cat((-hf[..., 32:], hf[..., :32]), -1) * sin[:, None]).to(torch.bfloat16)
+    kernels.rope_()(heads, cos, sin)
+    torch.testing.assert_close(heads, ref, rtol=8e-3, atol=1e-6)
+    assert torch.equal(qkv[:, 768:], v)  # values untouched
+    logits = torch.randn(4, 16001, generator=g).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 9000] = 40.0  # a tie: the first wins, as in torch
+    logits[2, -1] = 50.0  # the tail past the last 16 lanes
+    assert torch.equal(kernels.row_argmax(logits), logits.argmax(-1))
+    assert kernels.row_argmax(logits).tolist()[1:3] == [7, 16000]
+    assert torch.equal(kernels.row_argmax(logits.float()), logits.float().argmax(-1))  # fp32: torch's own
+
+
+def test_bf16_drafter_on_the_kernels_drafts_what_its_torch_ops_draft(skinny, tmp_path):
+    """A drafter with head_dim 32 in bf16 runs its norms, RoPE, attention and argmax on the kernels: 1-row steps,
+    an extend (last row only) and a tree level's masked rows give the torch path's outputs to bf16 rounding, and
+    speculation with it still reproduces plain greedy decoding."""
+    from eaglenest.engines.runtime import TargetRunner
+    from eaglenest.speculative.decoder import plain_greedy
+    from eaglenest.speculative.draft import load_exported_drafter, write_random_draft
+    from eaglenest.speculative.drafting import DraftState, FastDrafter
+    from eaglenest.speculative.serve import load_spec_decoder
+    from eaglenest.testing.tiny_model import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "model", hidden=128, heads=4, kv_heads=2, intermediate=256)
+    runner = TargetRunner(model_dir, dtype="bfloat16")
+    folder = write_random_draft(model_dir, tmp_path / "draft", std=0.2)
+    draft = load_exported_drafter(folder, embed_weight=runner.model.get_input_embeddings().weight,
+                                  dtype=torch.bfloat16)
+    fast, plain = FastDrafter(draft), FastDrafter(draft)
+    plain._kernels = False
+    assert fast._kernels
+    g = torch.Generator().manual_seed(0)
+    n = 12
+    ids, aux = torch.randint(3, 200, (n + 3,), generator=g), torch.randn(n, 3 * 128, generator=g).to(torch.bfloat16)
+    outs = {}
+    with torch.inference_mode():
+        for name, fd in (("kernels", fast), ("torch", plain)):
+            st = DraftState(fd, 4)
+            h, first = fd.forward(st, ids[:n], fd.project(aux), torch.arange(n), None, last_only=True)
+            h, step = fd.forward(st, ids[n: n + 1], h, torch.tensor([n]), None)
+            mask = torch.ones(2, n + 3, dtype=torch.bool)
+            mask[0, n + 2] = mask[1, n + 1] = False  # two siblings of a tree level, each seeing itself
+            _, tree = fd.forward(st, ids[n + 1: n + 3], h.expand(2, -1), torch.tensor([n + 1, n + 1]), mask)
+            outs[name] = (first, step, tree, st.k[:, : n + 3].clone())
+    for got, ref in zip(outs["kernels"], outs["torch"], strict=True):
+        assert got.shape == ref.shape
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 0.02
+    dec = load_spec_decoder(runner, folder, shape="chain3")
+    assert dec.make_proposer().fd._kernels
+    prompt = ids[:8].tolist()
+    want = plain_greedy(runner, prompt, max_new_tokens=24, ignore_eos=True).output_ids
+    assert dec.generate(prompt, max_new_tokens=24, ignore_eos=True).output_ids == want
