@@ -125,7 +125,7 @@ class FastDrafter:
         where given: the kernel's one call in bf16 (a chain of eight torch ops otherwise)."""
         if self._kernels and x.stride(-1) == 1:
             out = x.new_empty(x.shape) if out is None else out
-            rms_norm_out()(x, w, self.eps, out)
+            rms_norm_out()(x, w, self.eps, out, False)
             return out
         h = x.float()
         y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
@@ -135,7 +135,7 @@ class FastDrafter:
         """Neox RoPE of q and k heads ``x`` [S, heads, hd] at the positions of ``cos``/``sin`` [S, hd] (fp32): in
         place by the kernel in bf16, else rotated in fp32 into a new tensor (``apply_rope``'s math)."""
         if self._kernels:
-            rope_()(x, cos, sin)
+            rope_()(x, cos, sin, False)
             return x
         half = x.shape[-1] // 2
         xf = x.float()

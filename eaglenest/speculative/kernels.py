@@ -75,16 +75,18 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     return None if mod is None else mod.decode_attention
 
 
-def rms_norm_out() -> Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor], None] | None:
-    """``f(x [S, N] bf16, w [N] fp32, eps, out [S, N] bf16)``: ``out = x / rms(x) * w`` row by row in fp32, one
-    rounding (``out`` may be a column block of a wider tensor; N % 16 == 0), or None."""
+def rms_norm_out() -> Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor, bool], None] | None:
+    """``f(x [S, N] bf16, w [N] fp32, eps, out [S, N] bf16, round_twice)``: ``out = x / rms(x) * w`` row by row in
+    fp32, rounded once (the drafter's norm) or, ``round_twice``, also before the product with ``w`` (transformers'
+    Llama RMSNorm in bf16); ``out`` may be a column block of a wider tensor; N % 16 == 0. None where unavailable."""
     mod = _module()
     return None if mod is None else mod.rms_norm_out
 
 
-def rope_() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
-    """``f(x [S, heads, hd] bf16, cos [S, hd] fp32, sin [S, hd] fp32)``: neox RoPE in place (any row and head
-    strides; hd % 32 == 0), in fp32, or None."""
+def rope_() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None] | None:
+    """``f(x [S, heads, hd] bf16, cos [S, hd] fp32, sin [S, hd] fp32, bf16_ops)``: neox RoPE in place (any row and
+    head strides; hd % 32 == 0) in fp32 rounded once (the drafter's) or, ``bf16_ops``, rounding each product and
+    the sum to bf16 as torch's ops on bf16 tensors and tables do (the target's); None where unavailable."""
     mod = _module()
     return None if mod is None else mod.rope_
 

@@ -385,11 +385,17 @@ inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// v rounded to bf16 (nearest even) and back: what a torch op on bf16 tensors leaves of an fp32 result
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 }  // namespace
 
-// out[s] = x[s] / rms(x[s]) * w (fp32 math, one rounding to bf16) for rows of x [S, N] and out [S, N] (bf16, unit
-// stride along N, any row stride: out may be a column block of a wider tensor).
-void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor out) {
+// out[s] = x[s] / rms(x[s]) * w for rows of x [S, N] and out [S, N] (bf16, unit stride along N, any row stride: out
+// may be a column block of a wider tensor), in fp32 with one rounding to bf16; ``round_twice``: the normalized row
+// is rounded to bf16 before the product with w, as transformers' Llama RMSNorm does (``w * normed.to(bf16)``).
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor out, bool round_twice) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat,
               "rms_norm_out: bf16 x and out, fp32 w");
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() &&
@@ -400,14 +406,18 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tens
     const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * x.stride(0);
     auto* yr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * out.stride(0);
     const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum_squares(xr, N) / (float)N + (float)eps));
-    for (int64_t i = 0; i < N; i += 16)
-      store16(yr + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), _mm512_loadu_ps(wp + i)));
+    for (int64_t i = 0; i < N; i += 16) {
+      __m512 normed = _mm512_mul_ps(load16(xr + i), inv);
+      if (round_twice) normed = bf16_round(normed);
+      store16(yr + i, _mm512_mul_ps(normed, _mm512_loadu_ps(wp + i)));
+    }
   }
 }
 
 // Neox RoPE in place on x [S, heads, hd] (bf16, unit stride along hd, any row/head strides) with cos, sin [S, hd]
-// (fp32): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves, in fp32, rounded once.
-void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+// (fp32): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over the two halves, in fp32, rounded once; ``bf16_ops``:
+// each product and the sum rounded to bf16, as the same torch ops on bf16 tensors (and bf16 tables) round them.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool bf16_ops) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rope_: bf16 x, fp32 cos and sin");
   const int64_t S = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
@@ -415,6 +425,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
               cos.sizes() == sin.sizes() && cos.size(0) == S && cos.size(1) == hd,
               "rope_: x [S, heads, hd] (hd % 32 == 0), cos/sin [S, hd]");
   auto* base = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto rnd = [bf16_ops](__m512 v) { return bf16_ops ? bf16_round(v) : v; };
   for (int64_t r = 0; r < S; ++r) {
     const float* c = cos.data_ptr<float>() + r * hd;
     const float* sn = sin.data_ptr<float>() + r * hd;
@@ -422,10 +433,10 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
       uint16_t* p = base + r * x.stride(0) + h * x.stride(1);
       for (int64_t i = 0; i < half; i += 16) {
         const __m512 a = load16(p + i), b = load16(p + half + i);
-        store16(p + i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + i)),
-                                     _mm512_mul_ps(b, _mm512_loadu_ps(sn + i))));
-        store16(p + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + i)),
-                                            _mm512_mul_ps(a, _mm512_loadu_ps(sn + half + i))));
+        store16(p + i, _mm512_sub_ps(rnd(_mm512_mul_ps(a, _mm512_loadu_ps(c + i))),
+                                     rnd(_mm512_mul_ps(b, _mm512_loadu_ps(sn + i)))));
+        store16(p + half + i, _mm512_add_ps(rnd(_mm512_mul_ps(b, _mm512_loadu_ps(c + half + i))),
+                                            rnd(_mm512_mul_ps(a, _mm512_loadu_ps(sn + half + i)))));
       }
     }
   }

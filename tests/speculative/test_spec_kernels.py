@@ -151,7 +151,7 @@ def test_small_ops_match_their_torch_chains(skinny):
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(3, 1152, generator=g).to(torch.bfloat16), torch.randn(1152, generator=g)
     out = torch.zeros(3, 2304, dtype=torch.bfloat16)
-    kernels.rms_norm_out()(x, w, 1e-5, out[:, 1152:])  # into a column block, as the drafter's input is built
+    kernels.rms_norm_out()(x, w, 1e-5, out[:, 1152:], False)  # into a column block, as the drafter's input is built
     h = x.float()
     ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(torch.bfloat16)
     torch.testing.assert_close(out[:, 1152:], ref, rtol=8e-3, atol=1e-6)
@@ -162,7 +162,7 @@ def test_small_ops_match_their_torch_chains(skinny):
     heads = qkv[:, :768].view(2, 12, 64)  # q and k heads of a fused projection: rows strided by 960
     hf = heads.float()
     ref = (hf * cos[:, None] + torch.cat((-hf[..., 32:], hf[..., :32]), -1) * sin[:, None]).to(torch.bfloat16)
-    kernels.rope_()(heads, cos, sin)
+    kernels.rope_()(heads, cos, sin, False)
     torch.testing.assert_close(heads, ref, rtol=8e-3, atol=1e-6)
     assert torch.equal(qkv[:, 768:], v)  # values untouched
     logits = torch.randn(4, 16001, generator=g).to(torch.bfloat16)
@@ -173,10 +173,11 @@ def test_small_ops_match_their_torch_chains(skinny):
     assert torch.equal(kernels.row_argmax(logits.float()), logits.float().argmax(-1))  # fp32: torch's own
 
 
-def test_bf16_drafter_on_the_kernels_drafts_what_its_torch_ops_draft(skinny, tmp_path):
+def test_bf16_drafter_and_target_on_the_kernels_compute_what_their_torch_ops_compute(skinny, tmp_path):
     """A drafter with head_dim 32 in bf16 runs its norms, RoPE, attention and argmax on the kernels: 1-row steps,
-    an extend (last row only) and a tree level's masked rows give the torch path's outputs to bf16 rounding, and
-    speculation with it still reproduces plain greedy decoding."""
+    an extend (last row only) and a tree level's masked rows give the torch path's outputs to bf16 rounding; the
+    lean target's norms and RoPE on the kernels give its torch ops' logits and aux states to bf16 rounding; and
+    speculation on both still reproduces plain greedy decoding."""
     from eaglenest.engines.runtime import TargetRunner
     from eaglenest.speculative.decoder import plain_greedy
     from eaglenest.speculative.draft import load_exported_drafter, write_random_draft
@@ -208,6 +209,19 @@ def test_bf16_drafter_on_the_kernels_drafts_what_its_torch_ops_draft(skinny, tmp
     for got, ref in zip(outs["kernels"], outs["torch"], strict=True):
         assert got.shape == ref.shape
         assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 0.02
+    from eaglenest.speculative.onednn import phase
+    from eaglenest.speculative.target import LeanTarget
+
+    lean, ref = LeanTarget(runner.model, runner.aux_layer_ids), LeanTarget(runner.model, runner.aux_layer_ids)
+    ref._small_ops = False  # the target's norms and RoPE as torch ops
+    assert lean._small_ops
+    with torch.inference_mode(), phase(True):
+        caches = [t.new_cache(32) for t in (lean, ref)]
+        for rows in (ids[:n][None], ids[n: n + 1][None], ids[n + 1: n + 3][None]):  # a prefill, a step, a verify
+            (got, got_aux), (want, want_aux) = (lean.forward(caches[0], rows, aux=True),
+                                                ref.forward(caches[1], rows, aux=True))
+            for a, b in ((got, want), (got_aux, want_aux)):
+                assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.02
     dec = load_spec_decoder(runner, folder, shape="chain3")
     assert dec.make_proposer().fd._kernels
     prompt = ids[:8].tolist()
