@@ -165,7 +165,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, D]; cos/sin [B, S, D] (fp32)."""
+    """x [B, heads, S, D]; cos/sin [B, S, D] (fp32). Also x [S, heads, D] with cos/sin [S, D] (one position per row)."""
     half = x.shape[-1] // 2
     xf = x.float()  # rotated in fp32: the same values as rotating then casting, one cast fewer
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)

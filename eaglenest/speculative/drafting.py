@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from eaglenest.drafter.model import Eagle3Drafter, rope_cos_sin
+from eaglenest.drafter.model import Eagle3Drafter, apply_rope, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
 from eaglenest.speculative.kernels import (
     decode_attention,
@@ -133,14 +133,11 @@ class FastDrafter:
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Neox RoPE of q and k heads ``x`` [S, heads, hd] at the positions of ``cos``/``sin`` [S, hd] (fp32): in
-        place by the kernel in bf16, else rotated in fp32 into a new tensor (``apply_rope``'s math)."""
+        place by the kernel in bf16, else by :func:`~eaglenest.drafter.model.apply_rope` into a new tensor."""
         if self._kernels:
             rope_()(x, cos, sin, False)
             return x
-        half = x.shape[-1] // 2
-        xf = x.float()
-        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+        return apply_rope(x, cos, sin)
 
     def _attend(self, q: torch.Tensor, st: DraftState, mask: torch.Tensor | None) -> torch.Tensor:
         """q [rows, nh, hd] (the newest rows of ``st``) over its keys/values -> o_proj output [rows, H]. bf16: the
