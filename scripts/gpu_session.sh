@@ -31,7 +31,7 @@
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 80000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; empty: free prompts), DRAFTERS
-# (wide; the first on every prompt set; best: the train step's best by offline MT-Bench @3), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
+# (wide; the first on every prompt set; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -95,6 +95,14 @@ save_kernels() {  # never fails the step either
   if [ "$size" -le 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/" || true
   else echo "triton cache $size B: too big to bring back" >&2; fi
   return 0
+}
+
+send_back() {  # $1 an exported drafter of /tmp/export, in parts of <= 15 MB, when $OUT then holds at most $2 files
+  local have parts
+  have=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  parts=$(( ($(du -sb "/tmp/export/$1" | cut -f1) + 15728639) / 15728640 ))
+  [ $((have + parts)) -le "$2" ] || return 1
+  tar -C /tmp/export -cf - "$1" | split -b 15M - "$OUT/drafter-$1.tar.part"
 }
 
 case "$STEP" in
@@ -270,9 +278,11 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
     run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
   done
-  # the drafters come back (parts of <= 15 MB; a call returns at most 8 files) for the CPU benchmark
+  # the drafters come back (parts of <= 15 MB) for the CPU benchmark: as many as fit this call's 8 files beside
+  # train.tgz; the rest come back with the bench call (listed in $W/drafters-left.txt)
+  : > "$W/drafters-left.txt"
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
-    tar -C /tmp/export -cf - "$name" | split -b 15M - "$OUT/drafter-$name.tar.part"
+    send_back "$name" 7 || echo "$name" >> "$W/drafters-left.txt"
   done
   ;;
 bench)
@@ -285,10 +295,11 @@ def score(path):
     ev = json.load(open(path)).get('eval_sets', {}).get('mt-bench', {})
     return (ev.get('accept_length_cycles') or {}).get('3', 0.0)
 runs = sorted(glob.glob('/tmp/sweep/*/result.json'), key=score, reverse=True)
-print(os.path.basename(os.path.dirname(runs[0])) if runs else 'none')")
-    echo "best drafter by offline MT-Bench @3: $drafters" >&2
+print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
+    echo "drafters, best by offline MT-Bench @3 first: $drafters" >&2
   fi
   for name in $drafters; do
+    [ "$name" != none ] || continue
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
     [ "$first" = 1 ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
@@ -310,6 +321,10 @@ print(os.path.basename(os.path.dirname(runs[0])) if runs else 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
+  # the drafters the train call had no room to bring back
+  [ ! -f "$W/drafters-left.txt" ] || while read -r name; do
+    send_back "$name" 7 || echo "drafter $name does not fit this call's files either" >&2
+  done < "$W/drafters-left.txt"
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
