@@ -286,6 +286,10 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   done
   ;;
 bench)
+  # first the drafters the train call had no room to bring back (a bench cut short by its timeout still returns them)
+  [ ! -f "$W/drafters-left.txt" ] || while read -r name; do
+    send_back "$name" 7 || echo "drafter $name does not fit this call's files either" >&2
+  done < "$W/drafters-left.txt"
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   drafters=${DRAFTERS:-wide}
   if [ "$drafters" = best ]; then  # the train step's drafter with the highest offline MT-Bench accept length @3
@@ -321,10 +325,6 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
-  # the drafters the train call had no room to bring back
-  [ ! -f "$W/drafters-left.txt" ] || while read -r name; do
-    send_back "$name" 7 || echo "drafter $name does not fit this call's files either" >&2
-  done < "$W/drafters-left.txt"
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
