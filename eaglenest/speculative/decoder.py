@@ -155,7 +155,7 @@ class SpecDecoder:
         from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 
         decode_target(runner.model, runner.aux_layer_ids, lean=lean)
-        fast = FastDrafter(draft, int8=shape.int8)
+        fast = FastDrafter(draft, quant=shape.quant)
         return cls(runner, lambda: Eagle3Proposer(fast, shape, onednn), shape, onednn, lean)
 
     @torch.inference_mode()

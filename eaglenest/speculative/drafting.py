@@ -25,36 +25,23 @@ import torch.nn.functional as F
 
 from eaglenest.drafter.model import Eagle3Drafter, apply_rope, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
-from eaglenest.speculative.kernels import (
-    decode_attention,
-    rms_norm_out,
-    rope_,
-    row_argmax,
-    skinny_fits,
-    skinny_linear_i8,
-)
+from eaglenest.speculative.kernels import decode_attention, rms_norm_out, rope_, row_argmax
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
+from eaglenest.speculative.quant import QuantWeight
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
 MAX_KERNEL_ROWS = 16
 """Rows up to which a bf16 draft forward attends with the decode kernel (longer extends: SDPA)."""
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] -> (int8 [N, K], fp32 scale [N]): symmetric, one scale per output row (w ~ q * scale)."""
-    wf = w.detach().float()
-    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    return torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
-
-
 class FastDrafter:
     """Inference-only view of a drafter (shares its tensors; fused copies of q/k/v and gate/up).
 
-    ``int8``: the linear weights also in int8 with a scale per output row (:func:`quantize_rows`); a forward
-    of a few bf16 rows then streams half the bytes (``skinny_linear_i8``); longer extends and machines
-    without the kernel use the dequantized weights."""
+    ``quant``: the linear weights also in ``q8`` (int8, a scale per output row) or ``q4`` (int4, a scale per group
+    of inputs), :mod:`~eaglenest.speculative.quant`; a forward of a few bf16 rows then streams a half or a quarter
+    of the bytes on the kernel; longer extends and machines without the kernel use the dequantized weights."""
 
-    def __init__(self, draft: Eagle3Drafter, *, int8: bool = False) -> None:
+    def __init__(self, draft: Eagle3Drafter, *, quant: str = "") -> None:
         cfg, layer = draft.config, draft.midlayer
         at = layer.self_attn
         self.draft, self.cfg = draft, cfg
@@ -63,11 +50,11 @@ class FastDrafter:
         w = {"qkv": torch.cat((at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)).contiguous(),
              "o": at.o_proj.weight, "gate_up": torch.cat((layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)),
              "down": layer.mlp.down_proj.weight, "fc": draft.fc.weight, "head": draft.lm_head.weight}
-        self.int8 = int8
-        self.q: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (int8 weight, fp32 scale per row)
-        if int8:
-            self.q = {k: quantize_rows(v) for k, v in w.items()}
-            w = {k: (q.float() * sc[:, None]).to(w[k].dtype) for k, (q, sc) in self.q.items()}
+        self.quant = quant
+        self.q: dict[str, QuantWeight] = {}
+        if quant:
+            self.q = {k: QuantWeight.of(v, quant) for k, v in w.items()}
+            w = {k: q.dequantize(w[k].dtype) for k, q in self.q.items()}
         self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
         self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()
         self.n_post, self.n_final = layer.post_attention_layernorm.weight.float(), draft.norm.weight.float()
@@ -89,8 +76,8 @@ class FastDrafter:
         return self._lin(aux.to(self.dtype), "fc")
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        if self.int8 and skinny_fits(x, self.q[name][0]):
-            return skinny_linear_i8()(x.reshape(-1, x.shape[-1]), *self.q[name]).view(*x.shape[:-1], -1)
+        if self.quant and self.q[name].fits(x):
+            return self.q[name].matmul(x)
         return linear(x, *self.w[name])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,10 @@ build, or ``EAGLENEST_SKINNY=0``); callers fall back to oneDNN and SDPA. Both co
 exactly as they would alone (fixed summation orders, masked keys skipped), so in bf16 a verify
 forward reproduces the 1-row decode steps bit for bit. :func:`skinny_linear_i8` is the linear kernel
 over int8 weights with a scale per weight row: half the bytes to stream from memory, slower than bf16
-on weights already in cache (it converts each value). The first use on a machine compiles them (~30 s on
-2 cores; torch caches the build under ``~/.cache/torch_extensions`` and rebuilds it when the source
-changes).
+on weights already in cache (it converts each value); :func:`skinny_linear_q4` over int4 weights with a
+scale per group of values (:mod:`~eaglenest.speculative.quant` packs them): a quarter. The first use on a
+machine compiles them (~40 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and
+rebuilds it when the source changes).
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def skinny_linear_i8() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
     return None if mod is None else mod.skinny_linear_i8
 
 
+def skinny_linear_q4() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``f(x [M, K] bf16, w [N, K / 2] uint8, scale [N, K / G] bf16) -> x @ dequantized(w).T [M, N] bf16``: two int4
+    per byte as :func:`eaglenest.speculative.quant.quantize_q4` packs them, G in (32, 64, 128), K % 64 == 0,
+    M <= :data:`MAX_ROWS`, N % 4 == 0; or None."""
+    mod = _module()
+    return None if mod is None else mod.skinny_linear_q4
+
+
 def decode_attention() -> Callable[..., torch.Tensor] | None:
     """``f(q [S, H, hd], k [Hkv, capacity, hd], v, T, mask [S, T] bool | None) -> [S, H*hd]`` (bf16,
     softmax scale 1/sqrt(hd); without a mask row s sees keys ``0 .. T - S + s``), or None."""
@@ -102,9 +111,11 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` runs on a skinny kernel here: bf16 rows, a bf16 weight (:func:`skinny_linear`) or an
-    int8 one (:func:`skinny_linear_i8`), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple
-    of 4."""
-    return (x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.int8) and x.device.type == "cpu"
-            and x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] % 4 == 0 and x.is_contiguous()
-            and weight.is_contiguous() and skinny_linear() is not None)
+    """Whether ``x @ weight.T`` runs on a skinny kernel here: bf16 rows, a bf16 weight (:func:`skinny_linear`), an
+    int8 one (:func:`skinny_linear_i8`) or packed int4 (uint8, :func:`skinny_linear_q4`: input features a multiple
+    of 64), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple of 4."""
+    packed = weight.dtype == torch.uint8
+    return (x.dtype == torch.bfloat16 and (weight.dtype in (torch.bfloat16, torch.int8) or packed)
+            and x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] % 4 == 0
+            and (not packed or x.shape[-1] % 64 == 0) and x.is_contiguous() and weight.is_contiguous()
+            and skinny_linear() is not None)

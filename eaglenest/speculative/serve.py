@@ -70,8 +70,8 @@ class SpecConfig:
 
     @classmethod
     def of(cls, shape: SpecShape) -> SpecConfig:
-        if shape.min_prob or shape.int8:
-            what = "confidence stop (min_prob)" if shape.min_prob else "int8 drafter weights (q8)"
+        if shape.min_prob or shape.quant:
+            what = "confidence stop (min_prob)" if shape.min_prob else f"quantized drafter weights ({shape.quant})"
             raise ValueError(f"{shape.name}: SGLang's flags have no {what}")
         return cls(num_steps=shape.depth, topk=shape.topk, num_draft_tokens=shape.nodes + 1)
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from eaglenest.speculative.quant import QUANTS
+
 PROB_DECIMALS = 10
 
 
@@ -53,12 +55,17 @@ class SpecShape:
     """Chains only (no SGLang flag): draft the next token only while the product of the draft
     probabilities of the tokens drafted so far is at least this, so a cycle drafts 1..``depth`` tokens;
     the first costs no draft forward and is always proposed. 0: always ``depth``."""
-    int8: bool = False
-    """Embedded decoder only (no SGLang flag; name suffix ``q8``): the drafter's weights in int8 with one scale
-    per output row, half the bytes a draft forward streams. Only the drafts can change; the target verifies
-    them, so the output is still the target's greedy decoding."""
+    quant: str = ""
+    """Embedded decoder only (no SGLang flag; the name's suffix): the storage of the drafter's linear weights,
+    ``""`` its own dtype, ``q8`` int8 with one scale per output row (half the bytes a bf16 draft forward
+    streams) or ``q4`` int4 with one scale per group of 64 inputs (a quarter); see
+    :mod:`~eaglenest.speculative.quant`. Only the drafts can change; the target verifies them, so the output is
+    still the target's greedy decoding."""
 
     def __post_init__(self) -> None:
+        if self.quant not in ("", *QUANTS):
+            raise ValueError(f"quant={self.quant!r}: expected '' (the drafter's own dtype) or one of "
+                             f"{', '.join(QUANTS)}")
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got depth={self.depth} topk={self.topk}")
         if not 0.0 <= self.min_prob < 1.0 or (self.min_prob and (self.topk != 1 or self.depth < 2)):
@@ -82,30 +89,32 @@ class SpecShape:
 
     @property
     def name(self) -> str:
-        q8 = "q8" if self.int8 else ""
         if not self.is_chain:
-            return f"tree{self.depth}x{self.topk}n{self.nodes}{q8}"
-        return f"chain{self.depth}" + (f"p{_decimal(self.min_prob)}" if self.min_prob else "") + q8
+            return f"tree{self.depth}x{self.topk}n{self.nodes}{self.quant}"
+        return f"chain{self.depth}" + (f"p{_decimal(self.min_prob)}" if self.min_prob else "") + self.quant
 
     @classmethod
     def parse(cls, text: str) -> SpecShape:
         """``chain3``, ``chain5p0.4`` (at most 5 drafts, stopped below a draft probability of 0.4) or
-        ``tree4x4n12`` (depth x topk, n nodes), each optionally ending in ``q8`` (int8 drafter weights), as
-        :attr:`name` writes them."""
-        m = re.fullmatch(r"(?:chain(\d+)(?:p(0?\.\d+))?|tree(\d+)x(\d+)n(\d+))(q8)?", text.strip())
+        ``tree4x4n12`` (depth x topk, n nodes), each optionally ending in ``q8`` or ``q4`` (int8 or int4 drafter
+        weights), as :attr:`name` writes them."""
+        m = re.fullmatch(r"(?:chain(\d+)(?:p(0?\.\d+))?|tree(\d+)x(\d+)n(\d+))(" + "|".join(QUANTS) + ")?",
+                         text.strip())
         if not m:
             raise ValueError(f"speculation shape {text!r}: expected chainD, chainDpP (P in (0, 1)) or treeDxKnN, "
-                             "optionally ending in q8 (e.g. chain3, chain5p0.4, tree4x4n12, chain2q8)")
-        int8 = m.group(6) is not None
+                             f"optionally ending in {' or '.join(QUANTS)} (e.g. chain3, chain5p0.4, tree4x4n12, "
+                             "chain2q8, chain3q4)")
+        quant = m.group(6) or ""
         if m.group(1):
             if m.group(2) is not None and not float(m.group(2)):
                 raise ValueError(f"speculation shape {text!r}: a stop probability must be in (0, 1)")
-            return cls(depth=int(m.group(1)), min_prob=float(m.group(2) or 0.0), int8=int8)
-        return cls(depth=int(m.group(3)), topk=int(m.group(4)), draft_tokens=int(m.group(5)), int8=int8)
+            return cls(depth=int(m.group(1)), min_prob=float(m.group(2) or 0.0), quant=quant)
+        return cls(depth=int(m.group(3)), topk=int(m.group(4)), draft_tokens=int(m.group(5)), quant=quant)
 
     def to_json(self) -> dict:
         return {"name": self.name, "depth": self.depth, "topk": self.topk, "draft_tokens": self.nodes,
-                **({"min_prob": self.min_prob} if self.min_prob else {}), **({"int8": True} if self.int8 else {})}
+                **({"min_prob": self.min_prob} if self.min_prob else {}),
+                **({"quant": self.quant} if self.quant else {})}
 
 
 @dataclass(frozen=True, slots=True)

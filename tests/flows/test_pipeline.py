@@ -224,5 +224,5 @@ def test_a_new_measured_default_shape_reruns_the_bench_stage(monkeypatch, tmp_pa
     monkeypatch.setattr(bench_mod, "measured_best_shape", lambda: SpecShape(depth=1))
     before, pinned_before = bench_key(cfg), bench_key(pinned)
     assert bench_key(cfg) == before
-    monkeypatch.setattr(bench_mod, "measured_best_shape", lambda: SpecShape(depth=1, int8=True))
+    monkeypatch.setattr(bench_mod, "measured_best_shape", lambda: SpecShape(depth=1, quant="q8"))
     assert bench_key(cfg) != before and bench_key(pinned) == pinned_before

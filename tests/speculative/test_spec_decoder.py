@@ -86,6 +86,24 @@ def test_speculative_on_the_fitted_sequences_accepts_every_length(spec_tiny):
     assert stats.accept_length > 1.5
 
 
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_a_quantized_drafter_is_lossless_and_still_accepts(spec_tiny, quant):
+    """The drafter's weights in int8 or int4 change only the drafts: the target's verification keeps the output its
+    own greedy decoding (fp32: the dequantized weights), and the fitted drafter still gets whole chains accepted."""
+    runner, _, fitted, seqs, plens = spec_tiny
+    dec = load_spec_decoder(runner, fitted, shape=f"chain3{quant}")
+    assert dec.make_proposer().fd.quant == quant
+    acc = []
+    for s, n in list(zip(seqs, plens, strict=True))[:8]:
+        out = dec.generate(s[:n], max_new_tokens=len(s) - n, ignore_eos=True)
+        assert out.output_ids == s[n:]
+        acc += out.accepted
+    for ids in random_prompts(3, seed=41):
+        ref = plain_greedy(runner, ids, max_new_tokens=25, ignore_eos=True).output_ids
+        assert dec.generate(ids, max_new_tokens=25, ignore_eos=True).output_ids == ref
+    assert max(acc) == 3
+
+
 def test_stop_tokens_and_budgets_match_plain(spec_tiny):
     runner, _, fitted, seqs, plens = spec_tiny
     dec = load_spec_decoder(runner, fitted, num_steps=4)

@@ -32,7 +32,7 @@ def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (3, 16000, 576), (4, 576, 6144), (5, 8, 100), (16, 12, 40)])
 def test_int8_skinny_is_x_times_the_dequantized_weight(m, n, k):
     """int8 weights with a scale per row: the product of x and the dequantized weight; rows independent."""
-    from eaglenest.speculative.drafting import quantize_rows
+    from eaglenest.speculative.quant import quantize_rows
 
     f = kernels.skinny_linear_i8()
     if f is None:
@@ -52,12 +52,70 @@ def test_int8_skinny_is_x_times_the_dequantized_weight(m, n, k):
         f(x, w.to(torch.bfloat16), scale)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_q4_round_trip_is_within_half_a_step_of_each_group(group):
+    """int4 in groups: each value within half its group's scale, the largest of a group at +-7 steps, the packing's
+    nibble order (low: a block's first 32 values, high: its last 32) undone exactly."""
+    from eaglenest.speculative.quant import dequantize_q4, quantize_q4
+
+    g = torch.Generator().manual_seed(group)
+    w = torch.randn(12, 384, generator=g) * torch.logspace(-3, 1, 12)[:, None]  # rows of very different sizes
+    w[3, :group] = 0.0  # an all-zero group: scale clamped, values exactly 0
+    packed, scale = quantize_q4(w, group)
+    assert packed.dtype == torch.uint8 and packed.shape == (12, 192) and scale.shape == (12, 384 // group)
+    assert scale.dtype == torch.bfloat16
+    deq = dequantize_q4(packed, scale)
+    step = scale.float().repeat_interleave(group, dim=1)  # [12, 384]: each value's group scale
+    assert bool(((deq - w).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert not deq[3, :group].any()
+    levels = (deq / step).round().abs().view(12, -1, group).amax(-1)  # [12, K/G]: each group's largest level
+    live = w.view(12, -1, group).abs().amax(-1) > 0
+    assert bool((levels[live] == 7).all())
+    q = torch.randint(-7, 8, (4, 128), generator=g).float()
+    q[:, ::64] = 7.0  # every group spans the levels: unit scales, so the levels come back exactly
+    assert torch.equal(dequantize_q4(*quantize_q4(q, 64)), q)
+    assert (packed[0, 0] & 15) == round(float(w[0, 0] / step[0, 0])) + 8  # value 0 in the low nibble of byte 0
+    assert (packed[0, 0] >> 4) == round(float(w[0, 32] / step[0, 32])) + 8  # value 32 in its high nibble
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_q4(torch.randn(4, 96), 32)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 960, 1152, 64), (4, 576, 6144, 64), (3, 16000, 576, 64),
+                                                    (5, 8, 128, 32), (8, 12, 640, 128), (16, 4, 64, 32)])
+def test_q4_skinny_is_x_times_the_dequantized_weight(m, n, k, group):
+    """Packed int4 weights with a scale per group: the product of x and the dequantized weight (fp32 sums, one bf16
+    rounding); rows independent."""
+    from eaglenest.speculative.quant import dequantize_q4, quantize_q4
+
+    f = kernels.skinny_linear_q4()
+    if f is None:
+        pytest.skip("skinny kernel unavailable here (no AVX512-BF16 or no compiler)")
+    g = torch.Generator().manual_seed(m * n + k + group)
+    x, w = torch.randn(m, k, generator=g).to(torch.bfloat16), torch.randn(n, k, generator=g) * 0.05
+    packed, scale = quantize_q4(w, group)
+    y = f(x, packed, scale)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    ref = x.float() @ dequantize_q4(packed, scale).T
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-5 * k ** 0.5)  # bf16 rounding of the output
+    for i in range(m):
+        assert torch.equal(f(x[i: i + 1].contiguous(), packed, scale)[0], y[i])
+    with pytest.raises(RuntimeError, match="uint8 w"):
+        f(x, w.to(torch.bfloat16), scale)
+
+
 def test_skinny_refuses_what_it_cannot_compute(skinny):
     w = torch.randn(8, 32).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 4"):
         skinny(torch.randn(1, 32).to(torch.bfloat16), w[:6].contiguous())
     with pytest.raises(RuntimeError, match="bf16"):
         skinny(torch.randn(1, 32), w)
+    q4, x = kernels.skinny_linear_q4(), torch.randn(1, 384).to(torch.bfloat16)
+    packed, scales = torch.zeros(4, 192, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):  # groups of 192
+        q4(x, packed, scales)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        q4(x[:, :96].contiguous(), packed[:, :48].contiguous(), torch.ones(4, 3, dtype=torch.bfloat16))
+    assert not kernels.skinny_fits(x[:, :96].contiguous(), packed[:, :48].contiguous())  # that one stays in torch
 
 
 def test_linear_takes_the_kernel_inside_a_phase_only(monkeypatch):
@@ -137,7 +195,7 @@ def test_bf16_speculation_is_lossless_on_the_kernels(skinny, tiny_model_dir, spe
     runner = TargetRunner(tiny_model_dir, dtype="bfloat16")
     target = decode_target(runner.model, runner.aux_layer_ids)
     assert isinstance(target, LeanTarget) and target._kernel_attention is not None
-    for shape in ("chain3", "tree3x2n5"):
+    for shape in ("chain3", "tree3x2n5", "chain3q8", "chain3q4", "tree3x2n5q4"):
         dec = load_spec_decoder(runner, spec_tiny[2], shape=shape)
         for ids in random_prompts(4, seed=21):
             ref = plain_greedy(runner, ids, max_new_tokens=30, ignore_eos=True).output_ids
