@@ -1,6 +1,7 @@
 """A/B of two builds of the decode kernels (``skinny.cpp``) on the target's own weights, on the CPU.
 
     python scripts/bench_kernels_cpu.py [--base REV_OR_FILE] [--rows 1,2,4,8] [--reps 30]
+    python scripts/bench_kernels_cpu.py --quant [--rows 1,4] [--reps 30]
 
 Builds ``eaglenest/speculative/skinny.cpp`` as it is in the working tree (B) and as it is at ``--base``
 (A: a git revision, default HEAD, or a file), then times, alternating A and B, what a forward streams:
@@ -11,6 +12,10 @@ Builds ``eaglenest/speculative/skinny.cpp`` as it is in the working tree (B) and
   right after a 1-row target pass (cold, as in a speculation cycle).
 
 Prints medians in ms, GB/s of weights streamed and B/A, and checks that both builds give the same outputs.
+
+``--quant`` times the working tree's build only: each linear of that drafter (q|k|v, o, gate|up, down, fc,
+head) in int8 (q8) and in int4 (q4), for rows of x, right after a target pass, q8 and q4 alternating; prints
+per linear the medians in ms, GB/s of weights (and scales) streamed and q4/q8.
 Load from other processes adds noise: wrap it in ``flock /tmp/bench.lock``.
 """
 
@@ -45,27 +50,33 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quant", action="store_true", help="q4 against q8 drafter linears (working tree build)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from torch.utils.cpp_extension import load
 
     from eaglenest.engines.runtime import TargetRunner
     from eaglenest.models import resolve_model
-    from eaglenest.speculative.drafting import quantize_rows
     from eaglenest.speculative.kernels import FLAGS
+    from eaglenest.speculative.quant import quantize_rows
     from eaglenest.speculative.target import decode_target
 
     tmp = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
-    builds = {"A": load(name="eaglenest_skinny_a", sources=[str(_base_source(a.base, tmp))], extra_cflags=FLAGS),
-              "B": load(name="eaglenest_skinny_b", sources=[str(SOURCE)], extra_cflags=FLAGS)}
+    builds = {"B": load(name="eaglenest_skinny_b", sources=[str(SOURCE)], extra_cflags=FLAGS)}
+    if not a.quant:
+        builds["A"] = load(name="eaglenest_skinny_a", sources=[str(_base_source(a.base, tmp))], extra_cflags=FLAGS)
     runner = TargetRunner(resolve_model(a.model), dtype="bfloat16")
     tg = decode_target(runner.model, runner.aux_layer_ids)
     weights = [w for lw in tg.layers for w, _ in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [tg.head[0]]
     h = weights[0].shape[1]
     g = torch.Generator().manual_seed(0)
-    draft = [quantize_rows(torch.randn(n, k, generator=g).to(torch.bfloat16))
-             for n, k in ((h + 2 * h // 3, 2 * h), (h, h), (2 * 6144, h), (h, 6144), (h, 3 * h), (16000, h))]
+    shapes = {"qkv": (h + 2 * h // 3, 2 * h), "o": (h, h), "gate_up": (2 * 6144, h), "down": (h, 6144),
+              "fc": (h, 3 * h), "head": (16000, h)}  # a 4x-wide drafter's linears, [N, K]
     rows = [int(r) for r in a.rows.split(",")]
+    if a.quant:
+        dense = {name: torch.randn(n, k, generator=g).to(torch.bfloat16) for name, (n, k) in shapes.items()}
+        return _quant_ab(builds["B"], weights, dense, rows, a.reps, runner.model_dir.name)
+    draft = [quantize_rows(torch.randn(n, k, generator=g).to(torch.bfloat16)) for n, k in shapes.values()]
     widths = {w.shape[1] for w in weights} | {q.shape[1] for q, _ in draft}
     xs = {(r, k): torch.randn(r, k, generator=g).to(torch.bfloat16) for r in rows for k in widths}
     times: dict[tuple[str, str], list[float]] = {}
@@ -99,6 +110,54 @@ def main() -> int:
         ta, tb = statistics.median(times[("A", part)]), statistics.median(times[("B", part)])
         print(f"{part:10s} A {1e3 * ta:7.3f} ms ({gb[part] / ta:5.1f} GB/s)  B {1e3 * tb:7.3f} ms "
               f"({gb[part] / tb:5.1f} GB/s)  B/A {tb / ta:.3f}")
+    return 0
+
+
+def _quant_ab(mod, target: list[torch.Tensor], dense: dict[str, torch.Tensor], rows: list[int], reps: int,
+              model: str) -> int:
+    """Each drafter linear in q8 and q4 after a 1-row target pass (its weights cold), q8 and q4 alternating."""
+    from eaglenest.speculative.quant import QuantWeight
+
+    stored = {kind: {name: QuantWeight.of(w, kind) for name, w in dense.items()} for kind in ("q8", "q4")}
+    call = {"q8": mod.skinny_linear_i8, "q4": mod.skinny_linear_q4}
+    g = torch.Generator().manual_seed(1)
+    xs = {(r, w.shape[1]): torch.randn(r, w.shape[1], generator=g).to(torch.bfloat16)
+          for r in rows for w in [*dense.values(), *target]}
+    times: dict[tuple[str, int, str], list[float]] = {}
+    with torch.inference_mode():
+        for rep in range(reps + 4):
+            for kind in (("q8", "q4") if rep % 2 else ("q4", "q8")):
+                for r in rows:
+                    for w in target:  # evict the drafter's weights from the caches, as a verify does
+                        mod.skinny_linear(xs[(1, w.shape[1])], w)
+                    for name, q in stored[kind].items():
+                        x = xs[(r, q.data.shape[1] * (2 if kind == "q4" else 1))]
+                        t = time.perf_counter()
+                        call[kind](x, q.data, q.scale)
+                        if rep >= 4:
+                            times.setdefault((kind, r, name), []).append(time.perf_counter() - t)
+        for name, w in dense.items():  # both agree with their dequantized weights
+            for kind, q in ((k, stored[k][name]) for k in stored):
+                x = xs[(rows[-1], w.shape[1])]
+                ref = x.float() @ q.dequantize(torch.float32).T
+                err = float((call[kind](x, q.data, q.scale).float() - ref).abs().max() / ref.abs().max())
+                if err > 1e-2:
+                    print(f"{kind} {name}: relative error {err:.3g} against its dequantized weight", file=sys.stderr)
+                    return 1
+    print(f"drafter linears after a {model} pass, {torch.get_num_threads()} threads, medians")
+    for r in rows:
+        total = {"q8": 0.0, "q4": 0.0}
+        for name, (n, k) in ((name, w.shape) for name, w in dense.items()):
+            line, t = f"x{r} {name:8s} [{n:5d}, {k:4d}]", {}
+            for kind in ("q8", "q4"):
+                q = stored[kind][name]
+                gb = (q.data.numel() + q.scale.numel() * q.scale.element_size()) / 1e9
+                t[kind] = statistics.median(times[(kind, r, name)])
+                total[kind] += t[kind]
+                line += f"  {kind} {1e3 * t[kind]:6.3f} ms ({gb / t[kind]:5.1f} GB/s)"
+            print(f"{line}  q4/q8 {t['q4'] / t['q8']:.3f}")
+        print(f"x{r} all linears  q8 {1e3 * total['q8']:6.3f} ms  q4 {1e3 * total['q4']:6.3f} ms  "
+              f"q4/q8 {total['q4'] / total['q8']:.3f}")
     return 0
 
 
