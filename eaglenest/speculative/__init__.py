@@ -1,12 +1,14 @@
 """Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
 
-Modules (imports point downwards: engines, drafter -> draft, kernels -> onednn -> fastpath -> target, tree ->
-drafting -> decoder -> serve -> live -> report -> bench):
+Modules (imports point downwards: engines, drafter -> draft, kernels -> onednn -> fastpath -> target, kernels ->
+quant -> tree -> drafting -> decoder -> serve -> live -> report -> bench):
 
 - :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
   :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
 - :mod:`~eaglenest.speculative.kernels`    the skinny bf16 linear (``skinny.cpp``): few-row decode matmuls that
   stream the weights like a 1-row GEMV, built once per machine.
+- :mod:`~eaglenest.speculative.quant`      the drafter's linear weights in int8 (q8) or int4 (q4): quantize,
+  dequantize, the kernels' product.
 - :mod:`~eaglenest.speculative.onednn`     oneDNN per decoding phase, prepacked linear weights.
 - :mod:`~eaglenest.speculative.fastpath`   transformers' target at decode time: fused projections, grouped-query
   attention without K/V copies.
