@@ -285,7 +285,8 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_maskz_mul_ps(~dead, p, _mm512_castsi512_ps(e));
 }
 
-// The softmax of one row's scores [T] in place (max subtracted, exponentiated); returns 1 / their sum.
+// The softmax of one row's scores [T] in place (max subtracted, exponentiated); returns 1 / their sum. Key t adds
+// into lane t % 16, then the lanes are reduced.
 inline float softmax_row(float* scores, int64_t T, float mx) {
   __m512 sum = _mm512_setzero_ps();
   const __m512 m = _mm512_set1_ps(mx);
@@ -304,6 +305,26 @@ inline float softmax_row(float* scores, int64_t T, float mx) {
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+// softmax_row for a row whose keys from `full` on may be masked (-inf) between visible ones (a tree's node row
+// sees its ancestors, not its siblings): the exponentials stay in place (masked ones 0), and the sum takes the
+// visible keys in the lanes of their rank among them, through `packed` [T + 16]. The row alone over the cache
+// compacted to its visible keys (a plain step after the tree's path is accepted) then sums in the same lanes,
+// and its output is bit-identical (lanes by key index gave another rounding of the sum: in bf16, SmolLM2's
+// greedy output then differed from plain decoding in a third of the prompts).
+inline float softmax_row_holes(float* scores, int64_t T, int64_t full, float mx, float* packed) {
+  int64_t n = full;
+  bool holes = false;
+  for (int64_t t = full; t < T; ++t) {
+    if (scores[t] == -INFINITY) holes = true;
+    else packed[n++] = scores[t];
+  }
+  if (!holes) return softmax_row(scores, T, mx);
+  std::copy(scores, scores + full, packed);
+  const float inv = softmax_row(packed, n, mx);
+  softmax_row(scores, T, mx);  // the exponentials in place for the weighted sum of values (the same per key)
+  return inv;
+}
+
 // R query rows q[r] [16 * CH] (fp32) of one head over keys/values [T, 16 * CH] (bf16, row stride ld); every
 // row sees the first `full` keys, and beyond them row r skips the keys with see(r, t) false; writes the bf16
 // outputs out[r]. Each key and value is loaded once for all R rows (a verify's extra rows then cost little
@@ -312,7 +333,8 @@ inline float softmax_row(float* scores, int64_t T, float mx) {
 // depend on the other rows of the forward.
 template <int R, int CH, typename See>
 void attend_rows(const float* const* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T,
-                 int64_t full, float scale, See see, float* const* scores, c10::BFloat16* const* out) {
+                 int64_t full, float scale, See see, float* const* scores, float* packed,
+                 c10::BFloat16* const* out) {
   __m512 qv[R][CH];
   float mx[R];
   for (int r = 0; r < R; ++r) {
@@ -341,7 +363,7 @@ void attend_rows(const float* const* q, const uint16_t* k, const uint16_t* v, in
     }
   }
   float inv[R];
-  for (int r = 0; r < R; ++r) inv[r] = softmax_row(scores[r], T, mx[r]);
+  for (int r = 0; r < R; ++r) inv[r] = softmax_row_holes(scores[r], T, full, mx[r], packed);
   __m512 o[R][CH];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
@@ -363,12 +385,12 @@ void attend_rows(const float* const* q, const uint16_t* k, const uint16_t* v, in
 
 template <int CH, typename See>
 void attend_n(int n, const float* const* q, const uint16_t* k, const uint16_t* v, int64_t ld, int64_t T,
-              int64_t full, float scale, See see, float* const* sc, c10::BFloat16* const* o) {
+              int64_t full, float scale, See see, float* const* sc, float* pk, c10::BFloat16* const* o) {
   switch (n) {
-    case 1: attend_rows<1, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
-    case 2: attend_rows<2, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
-    case 3: attend_rows<3, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
-    default: attend_rows<4, CH>(q, k, v, ld, T, full, scale, see, sc, o); break;
+    case 1: attend_rows<1, CH>(q, k, v, ld, T, full, scale, see, sc, pk, o); break;
+    case 2: attend_rows<2, CH>(q, k, v, ld, T, full, scale, see, sc, pk, o); break;
+    case 3: attend_rows<3, CH>(q, k, v, ld, T, full, scale, see, sc, pk, o); break;
+    default: attend_rows<4, CH>(q, k, v, ld, T, full, scale, see, sc, pk, o); break;
   }
 }
 
@@ -403,7 +425,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float scale = 1.0f / std::sqrt((float)hd);
   const int64_t group = H / Hkv, past = T - S;
   at::parallel_for(0, H, 1, [&](int64_t b, int64_t e) {  // one head's rows per task: its keys read once
-    std::vector<float> buf(AR * (T + 16));
+    std::vector<float> buf((AR + 1) * (T + 16));  // each row's scores, then one row's visible keys packed
     for (int64_t h = b; h < e; ++h) {
       const uint16_t* kh = kp + (h / group) * k.stride(0);
       const uint16_t* vh = vp + (h / group) * k.stride(0);
@@ -417,16 +439,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           sc[r] = buf.data() + r * (T + 16);
           orow[r] = out.data_ptr<at::BFloat16>() + (s0 + r) * H * hd + h * hd;
         }
+        float* pk = buf.data() + AR * (T + 16);
         auto run = [&](int64_t full, auto see) {
           switch (hd / 16) {
-            case 1: attend_n<1>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 2: attend_n<2>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 3: attend_n<3>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 4: attend_n<4>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 5: attend_n<5>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 6: attend_n<6>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            case 7: attend_n<7>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
-            default: attend_n<8>(n, qr, kh, vh, hd, T, full, scale, see, sc, orow); break;
+            case 1: attend_n<1>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 2: attend_n<2>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 3: attend_n<3>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 4: attend_n<4>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 5: attend_n<5>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 6: attend_n<6>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            case 7: attend_n<7>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
+            default: attend_n<8>(n, qr, kh, vh, hd, T, full, scale, see, sc, pk, orow); break;
           }
         };
         if (mp) {

@@ -169,6 +169,33 @@ def test_decode_attention_is_sdpa_and_rows_do_not_interact(skinny, rows, t):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(("past", "parents"), [(100, [-1, -1, 0, 0, 1, 2]), (29, [-1, 0, -1, 2, 1, 3, 3, 4])])
+def test_a_tree_row_attends_exactly_as_its_plain_step_after_the_path_is_accepted(skinny, past, parents):
+    """A tree node's row sees the cache and its ancestors, not its siblings; once its path is accepted, the cache
+    holds exactly those keys in that order and the next plain step computes that row again: bit for bit the same
+    (else bf16 speculation with trees differs from plain greedy decoding)."""
+    attend, n = kernels.decode_attention(), len(parents)
+    ancestors = []
+    for i, p in enumerate(parents):
+        ancestors.append([*(ancestors[p] if p >= 0 else []), i])
+    mask = torch.zeros(n, past + n, dtype=torch.bool)
+    mask[:, :past] = True
+    for i, path in enumerate(ancestors):
+        mask[i, [past + j for j in path]] = True
+    differ = []
+    for seed in range(120):  # a sum rounded another way changes a bf16 output now and then: many draws
+        g = torch.Generator().manual_seed(seed)
+        k, v = (torch.randn(3, past + n, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+        q = (4 * torch.randn(n, 9, 64, generator=g)).to(torch.bfloat16)  # peaked softmaxes: sums of unlike terms
+        out = attend(q, k, v, past + n, mask)
+        for i, path in enumerate(ancestors):
+            keep = [*range(past), *(past + j for j in path)]  # the cache after accepting node i's path
+            alone = attend(q[i: i + 1], k[:, keep].contiguous(), v[:, keep].contiguous(), len(keep), None)
+            if not torch.equal(alone[0], out[i]):
+                differ.append((seed, i))
+    assert not differ, f"(seed, node) whose tree row differs from its plain step: {differ[:10]}"
+
+
 @pytest.mark.parametrize("hd", [16, 48, 128])
 def test_decode_attention_at_other_head_sizes(skinny, hd):
     """Each head size has its own compiled loop: it equals SDPA and a row equals its 1-row step there too."""
