@@ -257,7 +257,8 @@ train)
   [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S per config, so the step schedule finishes
   # and the budget stays a safety stop. Measured per config: 80.4-80.7K tok/s two at once on first-turn samples
-  # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01)
+  # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01); 108.4K at 32K
+  # tokens per step (vocab 16000) beside 73.5K at 16K (vocab 32000), two at once (2026-12-02e): size for the slower
   epochs=${EPOCHS:-$(python3 -c "
 import math
 from eaglenest.drafter.config import TrainConfig
