@@ -53,7 +53,7 @@ class FastDrafter:
         self.quant = quant
         self.q: dict[str, QuantWeight] = {}
         if quant:
-            self.q = {k: QuantWeight.of(v, quant) for k, v in w.items()}
+            self.q = {k: QuantWeight.of(v, quant, name=f"drafter linear {k!r}") for k, v in w.items()}
             w = {k: q.dequantize(w[k].dtype) for k, q in self.q.items()}
         self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
         self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()

@@ -27,7 +27,9 @@ from eaglenest.speculative.kernels import skinny_fits, skinny_linear_i8, skinny_
 QUANTS = ("q8", "q4")
 """Weight storages of the embedded drafter, as shape names end (``chain3q8``, ``chain3q4``)."""
 GROUP = 64
-"""q4 values sharing one scale, along the input dimension (the kernel takes 32, 64 or 128)."""
+"""q4 values sharing one scale, along the input dimension (one of :data:`GROUPS`)."""
+GROUPS = (32, 64, 128)
+"""q4 group sizes the kernel takes."""
 BLOCK = 64
 """q4 values per 32 packed bytes: a row's input features must be a multiple of it."""
 
@@ -43,9 +45,11 @@ def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torc
     """``w`` [N, K] -> (uint8 [N, K / 2] packed int4, bf16 scale [N, K / group]): symmetric per group, each value
     within half its group's scale of ``w`` (the scale is rounded to bf16 before the values are)."""
     n, k = w.shape
-    if k % BLOCK or k % group or group % 32:
+    if group not in GROUPS:
+        raise ValueError(f"q4 group size {group}: expected one of {', '.join(map(str, GROUPS))}")
+    if k % BLOCK or k % group:
         raise ValueError(f"q4 weight [{n}, {k}]: input features must be a multiple of {BLOCK} and of the group "
-                         f"size {group} (itself a multiple of 32); keep this drafter in q8 or its own dtype")
+                         f"size {group}")
     wg = w.detach().float().view(n, k // group, group)  # [N, K/G, G]
     scale = (wg.abs().amax(dim=-1) / 7.0).clamp(min=1e-12).to(torch.bfloat16)  # [N, K/G]
     q = torch.round(wg / scale.float()[..., None]).clamp(-7, 7).view(n, k // BLOCK, 2, BLOCK // 2)
@@ -73,12 +77,16 @@ class QuantWeight:
     """fp32 [N] (q8) or bf16 [N, K / group] (q4)."""
 
     @classmethod
-    def of(cls, w: torch.Tensor, kind: str) -> QuantWeight:
-        if kind == "q8":
-            return cls(kind, *quantize_rows(w))
-        if kind == "q4":
-            return cls(kind, *quantize_q4(w))
-        raise ValueError(f"weight storage {kind!r}: expected one of {', '.join(QUANTS)}")
+    def of(cls, w: torch.Tensor, kind: str, name: str = "weight") -> QuantWeight:
+        """``w`` [N, K] in storage ``kind``; ``name`` (the linear's) goes into the errors."""
+        if kind not in QUANTS:
+            raise ValueError(f"weight storage {kind!r}: expected one of {', '.join(QUANTS)}")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"{name} [{', '.join(map(str, w.shape))}] holds NaN or inf values: not quantized")
+        try:
+            return cls(kind, *(quantize_rows(w) if kind == "q8" else quantize_q4(w)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}; keep this drafter in q8 or its own dtype (a shape name without q4)") from e
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] these values stand for, in ``dtype``."""
@@ -87,7 +95,11 @@ class QuantWeight:
         return dequantize_q4(self.data, self.scale).to(dtype)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` [..., K] times this weight runs on the skinny kernel here (bf16 rows, few of them)."""
+        """Whether ``x`` [..., K] times this weight runs on the skinny kernel here (bf16 rows, few of them; for q4
+        a group size of :data:`GROUPS`)."""
+        if self.kind == "q4" and (self.scale.dim() != 2 or x.shape[-1] % self.scale.shape[1]
+                                  or x.shape[-1] // self.scale.shape[1] not in GROUPS):
+            return False
         return skinny_fits(x, self.data)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

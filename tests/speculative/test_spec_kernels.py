@@ -80,6 +80,28 @@ def test_q4_round_trip_is_within_half_a_step_of_each_group(group):
         quantize_q4(torch.randn(4, 96), 32)
 
 
+def test_q4_refuses_what_the_kernel_cannot_take_and_names_the_linear():
+    """Bad input gets an error naming the linear and what is wrong; a q4 weight the kernel cannot multiply (a group
+    it does not take, rows beyond its few) says it does not fit, so the caller falls back to the dequantized one."""
+    from eaglenest.speculative.quant import QuantWeight, quantize_q4
+
+    with pytest.raises(ValueError, match="group size 96"):
+        quantize_q4(torch.randn(4, 192), 96)
+    with pytest.raises(ValueError, match=r"'down'.*multiple of 64.*without q4"):
+        QuantWeight.of(torch.randn(8, 100), "q4", name="drafter linear 'down'")
+    bad = torch.randn(8, 128)
+    bad[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"'fc'.*NaN"):
+        QuantWeight.of(bad, "q8", name="drafter linear 'fc'")
+    good = QuantWeight.of(torch.randn(8, 128), "q4")
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    three = QuantWeight("q4", good.data, torch.ones(8, 3, dtype=torch.bfloat16))  # 128 / 3 inputs a group: none
+    assert not three.fits(x)
+    assert not good.fits(torch.randn(40, 128).to(torch.bfloat16))  # more rows than the kernel's few
+    if kernels.skinny_linear() is not None:
+        assert good.fits(x)
+
+
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 960, 1152, 64), (4, 576, 6144, 64), (3, 16000, 576, 64),
                                                     (5, 8, 128, 32), (8, 12, 640, 128), (16, 4, 64, 32)])
 def test_q4_skinny_is_x_times_the_dequantized_weight(m, n, k, group):
