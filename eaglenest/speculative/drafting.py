@@ -18,6 +18,7 @@ results differ only by matmul rounding, and drafts are proposals, so the decoder
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,7 @@ from eaglenest.drafter.model import Eagle3Drafter, apply_rope, rope_cos_sin
 from eaglenest.speculative.fastpath import one_query_attention
 from eaglenest.speculative.kernels import decode_attention, rms_norm_out, rope_, row_argmax
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
-from eaglenest.speculative.quant import QuantWeight
+from eaglenest.speculative.quant import GROUP, QuantWeight
 from eaglenest.speculative.tree import DraftTree, SpecShape
 
 MAX_KERNEL_ROWS = 16
@@ -53,7 +54,11 @@ class FastDrafter:
         self.quant = quant
         self.q: dict[str, QuantWeight] = {}
         if quant:
-            self.q = {k: QuantWeight.of(v, quant, name=f"drafter linear {k!r}") for k, v in w.items()}
+            kinds = {k: quant if QuantWeight.holds(quant, v.shape) else "q8" for k, v in w.items()}
+            if any(kind != quant for kind in kinds.values()):  # (the measured default shape may ask q4 of any drafter)
+                warnings.warn(f"drafter linears {sorted(k for k, kind in kinds.items() if kind != quant)} cannot be "
+                              f"{quant} (input features not a multiple of {GROUP}): kept in q8", stacklevel=2)
+            self.q = {k: QuantWeight.of(v, kinds[k], name=f"drafter linear {k!r}") for k, v in w.items()}
             w = {k: q.dequantize(w[k].dtype) for k, q in self.q.items()}
         self.w = {k: (v.detach().contiguous(), prepack(v)) for k, v in w.items()}  # name -> (weight, packed)
         self.n_in, self.n_hid = layer.input_layernorm.weight.float(), layer.hidden_norm.weight.float()

@@ -18,6 +18,7 @@ summation order and one rounding to bf16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,12 @@ class QuantWeight:
     """int8 [N, K] (q8) or uint8 [N, K / 2] (q4)."""
     scale: torch.Tensor
     """fp32 [N] (q8) or bf16 [N, K / group] (q4)."""
+
+    @staticmethod
+    def holds(kind: str, shape: Sequence[int]) -> bool:
+        """Whether a weight of ``shape`` [N, K] can be stored as ``kind`` (q4: K a multiple of :data:`BLOCK` and
+        :data:`GROUP`)."""
+        return kind == "q8" or (kind == "q4" and shape[-1] % BLOCK == 0 and shape[-1] % GROUP == 0)
 
     @classmethod
     def of(cls, w: torch.Tensor, kind: str, name: str = "weight") -> QuantWeight:

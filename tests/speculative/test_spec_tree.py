@@ -294,3 +294,22 @@ def test_proposer_tree_is_well_formed(spec_tiny):
         greedy = chain.propose(4).tokens
         assert tree.tokens[0] == greedy[0]  # the best root child comes first
         assert len(p.propose(2)) <= 3 + 9 and max(p.propose(1).depths()) == 1
+
+
+def test_linears_q4_cannot_hold_stay_in_q8_with_a_warning_and_speculation_stays_lossless(
+        tiny_model_dir, tiny_runner, tmp_path):
+    """The measured default shape may ask q4 of any drafter: a linear whose input features are not a multiple of
+    the q4 group (here the MLP's down projection, 96 inputs) is kept in q8, said in a warning, and decoding still
+    equals the target's own greedy output."""
+    from eaglenest.speculative.draft import write_random_draft
+
+    folder = write_random_draft(tiny_model_dir, tmp_path / "narrow", intermediate_size=96)
+    draft = load_exported_drafter(folder, embed_weight=tiny_runner.model.get_input_embeddings().weight)
+    with pytest.warns(UserWarning, match=r"\['down'\] cannot be q4"):
+        fd = FastDrafter(draft, quant="q4")
+    assert fd.q["down"].kind == "q8" and fd.q["head"].kind == "q4"
+    prompt = random_prompts(1, seed=5)[0]
+    with one_thread(), pytest.warns(UserWarning, match="cannot be q4"):
+        dec = SpecDecoder.eagle3(tiny_runner, draft, shape=SpecShape.parse("chain3q4"))
+        got = dec.generate(prompt, max_new_tokens=20, ignore_eos=True).output_ids
+    assert got == plain_greedy(tiny_runner, prompt, max_new_tokens=20, ignore_eos=True).output_ids
