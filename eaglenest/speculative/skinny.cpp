@@ -311,12 +311,18 @@ inline float softmax_row(float* scores, int64_t T, float mx) {
 // compacted to its visible keys (a plain step after the tree's path is accepted) then sums in the same lanes,
 // and its output is bit-identical (lanes by key index gave another rounding of the sum: in bf16, SmolLM2's
 // greedy output then differed from plain decoding in a third of the prompts).
+// Masked keys only after the visible ones (a chain's verify rows) leave every visible key in its lane: the plain
+// sum, adding zeros for them, is already the compacted one.
 inline float softmax_row_holes(float* scores, int64_t T, int64_t full, float mx, float* packed) {
   int64_t n = full;
-  bool holes = false;
+  bool masked = false, holes = false;
   for (int64_t t = full; t < T; ++t) {
-    if (scores[t] == -INFINITY) holes = true;
-    else packed[n++] = scores[t];
+    if (scores[t] == -INFINITY) {
+      masked = true;
+    } else {
+      holes = holes || masked;
+      packed[n++] = scores[t];
+    }
   }
   if (!holes) return softmax_row(scores, T, mx);
   std::copy(scores, scores + full, packed);
