@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quant", action="store_true", help="q4 against q8 drafter linears (working tree build)")
     a = ap.parse_args()
+    if a.quant and a.base != "HEAD":
+        ap.error("--quant times the working tree's build only: --base does not apply")
     torch.set_num_threads(a.threads)
     from torch.utils.cpp_extension import load
 
@@ -131,7 +133,7 @@ def _quant_ab(mod, target: list[torch.Tensor], dense: dict[str, torch.Tensor], r
                     for w in target:  # evict the drafter's weights from the caches, as a verify does
                         mod.skinny_linear(xs[(1, w.shape[1])], w)
                     for name, q in stored[kind].items():
-                        x = xs[(r, q.data.shape[1] * (2 if kind == "q4" else 1))]
+                        x = xs[(r, dense[name].shape[1])]
                         t = time.perf_counter()
                         call[kind](x, q.data, q.scale)
                         if rep >= 4:
