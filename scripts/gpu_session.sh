@@ -288,12 +288,16 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   ;;
 bench)
   # first the drafters the train call had no room to bring back (a bench cut short by its timeout still returns them)
-  [ ! -f "$W/drafters-left.txt" ] || while read -r name; do
-    send_back "$name" 7 || echo "drafter $name does not fit this call's files either" >&2
-  done < "$W/drafters-left.txt"
+  if [ -f "$W/drafters-left.txt" ]; then  # (a later bench call returns only what is still left)
+    left=$(cat "$W/drafters-left.txt"); : > "$W/drafters-left.txt"
+    for name in $left; do
+      send_back "$name" 7 || { echo "drafter $name does not fit this call's files either" >&2
+                               echo "$name" >> "$W/drafters-left.txt"; }
+    done
+  fi
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   drafters=${DRAFTERS:-wide}
-  if [ "$drafters" = best ]; then  # the train step's drafter with the highest offline MT-Bench accept length @3
+  if [ "$drafters" = best ]; then  # the train step's drafters, the highest offline MT-Bench accept length @3 first
     drafters=$(python3 -c "
 import glob, json, os
 def score(path):
