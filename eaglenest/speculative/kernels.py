@@ -30,6 +30,9 @@ MAX_ROWS = 16
 """Rows up to which the linear kernel runs. oneDNN's prepacked GEMM costs about the same for any few rows; the
 kernel streaming SmolLM2's weights costs ~1.0x its 1-row time for 2 rows, ~1.07x for 4 and ~1.5x for 8
 (compute; ``scripts/bench_kernels_cpu.py``), and up to here it keeps rows exact."""
+Q4_BLOCK = 64
+"""Packed int4 values per 32 bytes (one low and one high nibble each): the q4 kernel takes input features in
+whole blocks."""
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
 
 
@@ -113,9 +116,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` runs on a skinny kernel here: bf16 rows, a bf16 weight (:func:`skinny_linear`), an
     int8 one (:func:`skinny_linear_i8`) or packed int4 (uint8, :func:`skinny_linear_q4`: input features a multiple
-    of 64), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple of 4."""
+    of :data:`Q4_BLOCK`), CPU, at most :data:`MAX_ROWS` rows, contiguous, output features a multiple of 4."""
     packed = weight.dtype == torch.uint8
     return (x.dtype == torch.bfloat16 and (weight.dtype in (torch.bfloat16, torch.int8) or packed)
             and x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] % 4 == 0
-            and (not packed or x.shape[-1] % 64 == 0) and x.is_contiguous() and weight.is_contiguous()
+            and (not packed or x.shape[-1] % Q4_BLOCK == 0) and x.is_contiguous() and weight.is_contiguous()
             and skinny_linear() is not None)

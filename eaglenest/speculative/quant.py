@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglenest.speculative.kernels import skinny_fits, skinny_linear_i8, skinny_linear_q4
+from eaglenest.speculative.kernels import Q4_BLOCK, skinny_fits, skinny_linear_i8, skinny_linear_q4
 
 QUANTS = ("q8", "q4")
 """Weight storages of the embedded drafter, as shape names end (``chain3q8``, ``chain3q4``)."""
@@ -31,8 +31,18 @@ GROUP = 64
 """q4 values sharing one scale, along the input dimension (one of :data:`GROUPS`)."""
 GROUPS = (32, 64, 128)
 """q4 group sizes the kernel takes."""
-BLOCK = 64
+BLOCK = Q4_BLOCK
 """q4 values per 32 packed bytes: a row's input features must be a multiple of it."""
+
+
+def q4_shape_problem(k: int, group: int = GROUP) -> str | None:
+    """Why a weight of ``k`` input features cannot be stored as q4 in groups of ``group`` (None: it can): the one
+    statement of the rule :func:`quantize_q4` enforces and :meth:`QuantWeight.holds` asks."""
+    if group not in GROUPS:
+        return f"q4 group size {group}: expected one of {', '.join(map(str, GROUPS))}"
+    if k % BLOCK or k % group:
+        return f"input features must be a multiple of {BLOCK} and of the group size {group}"
+    return None
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,11 +56,9 @@ def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torc
     """``w`` [N, K] -> (uint8 [N, K / 2] packed int4, bf16 scale [N, K / group]): symmetric per group, each value
     within half its group's scale of ``w`` (the scale is rounded to bf16 before the values are)."""
     n, k = w.shape
-    if group not in GROUPS:
-        raise ValueError(f"q4 group size {group}: expected one of {', '.join(map(str, GROUPS))}")
-    if k % BLOCK or k % group:
-        raise ValueError(f"q4 weight [{n}, {k}]: input features must be a multiple of {BLOCK} and of the group "
-                         f"size {group}")
+    problem = q4_shape_problem(k, group)
+    if problem:
+        raise ValueError(f"q4 weight [{n}, {k}]: {problem}")
     wg = w.detach().float().view(n, k // group, group)  # [N, K/G, G]
     scale = (wg.abs().amax(dim=-1) / 7.0).clamp(min=1e-12).to(torch.bfloat16)  # [N, K/G]
     q = torch.round(wg / scale.float()[..., None]).clamp(-7, 7).view(n, k // BLOCK, 2, BLOCK // 2)
@@ -79,9 +87,8 @@ class QuantWeight:
 
     @staticmethod
     def holds(kind: str, shape: Sequence[int]) -> bool:
-        """Whether a weight of ``shape`` [N, K] can be stored as ``kind`` (q4: K a multiple of :data:`BLOCK` and
-        :data:`GROUP`)."""
-        return kind == "q8" or (kind == "q4" and shape[-1] % BLOCK == 0 and shape[-1] % GROUP == 0)
+        """Whether a weight of ``shape`` [N, K] can be stored as ``kind`` (q4: :func:`q4_shape_problem`)."""
+        return kind == "q8" or (kind == "q4" and q4_shape_problem(shape[-1]) is None)
 
     @classmethod
     def of(cls, w: torch.Tensor, kind: str, name: str = "weight") -> QuantWeight:
