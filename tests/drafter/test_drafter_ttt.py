@@ -156,5 +156,6 @@ def test_batched_ttt_losses_accuracies_and_gradients_equal_the_kv_cached_chain()
     assert counted[1] < counted[0]  # the uncounted pairs are exercised
     assert res.correct.tolist() == correct and torch.equal(res.match, match)
     torch.testing.assert_close(res.loss_sum, torch.stack(loss).detach(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    for n, p in model.named_parameters():  # fp32 sums in another order: an error small against the gradient's scale
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=n: f"{n}: {m}")
