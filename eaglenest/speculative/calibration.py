@@ -111,8 +111,9 @@ class SetOffline:
 
     prompt_set: str
     samples: int
-    target_agreement: float
-    """Share of answer tokens equal to the target's greedy choice at capture (1.0 = exact replay)."""
+    target_agreement: float | None
+    """Share of answer tokens equal to the target's greedy choice at capture (1.0 = exact replay; None: not
+    measured, as in a training run's eval)."""
     by_depth: dict[int, dict[str, float]]
     """depth -> accept_length_cycles (compare with live), accept_length (per start), cycles, chains."""
 
@@ -120,6 +121,21 @@ class SetOffline:
         d = asdict(self)
         d["by_depth"] = {str(k): v for k, v in self.by_depth.items()}
         return d
+
+
+def sets_from_eval(eval_sets: dict[str, dict[str, Any]]) -> list[SetOffline]:
+    """The offline side as a training run already measured it: ``eval_sets`` of a train result (one entry per
+    eval set, ``accept_length_cycles`` and ``accept_length`` by TTT depth), e.g. on the calibration capture."""
+    out = []
+    for name, ev in eval_sets.items():
+        cyc, per_start = ev.get("accept_length_cycles"), ev.get("accept_length")
+        if not cyc or not per_start:
+            raise ValueError(f"eval set {name!r} has no accept_length_cycles/accept_length by depth: "
+                             "not a training run's eval")
+        out.append(SetOffline(prompt_set=name, samples=int(ev.get("samples", 0)), target_agreement=None,
+                              by_depth={int(d): {"accept_length_cycles": float(cyc[d]),
+                                                 "accept_length": float(per_start[d])} for d in cyc}))
+    return out
 
 
 class _CappedAnswers:
@@ -239,7 +255,8 @@ def markdown(report: CalibrationReport) -> str:
              "|---|---|---|" + "---|" * len(depths)]
     for s in report.sets:
         cells = [f"{s.by_depth[d]['accept_length_cycles']:.2f}" if d in s.by_depth else "-" for d in depths]
-        lines.append(f"| {s.prompt_set} | {s.samples} | {s.target_agreement:.3f} | " + " | ".join(cells) + " |")
+        agree = "-" if s.target_agreement is None else f"{s.target_agreement:.3f}"
+        lines.append(f"| {s.prompt_set} | {s.samples} | {agree} | " + " | ".join(cells) + " |")
     if report.rows:
         lines += ["", "| prompt set | depth | concurrency | offline | offline per start | live | offline / live |",
                   "|---|---|---|---|---|---|---|"]

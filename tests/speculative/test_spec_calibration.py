@@ -104,6 +104,22 @@ def test_a_grid_matrix_gives_one_live_row_per_set_steps_and_concurrency():
     assert table[2]["offline_per_start"] == 2.4
 
 
+def test_a_training_runs_eval_is_the_offline_side():
+    ev = {"mt-bench": {"samples": 40, "accept_length_cycles": {"1": 1.6, "3": 2.2},
+                       "accept_length": {"1": 1.7, "3": 2.6}},
+          "sharegpt": {"samples": 40, "accept_length_cycles": {"3": 2.5}, "accept_length": {"3": 2.9}}}
+    sets = C.sets_from_eval(ev)
+    live = C.live_accepts({"rows": [{"prompt_set": "mt-bench", "steps": 3, "concurrency": 1, "accept_length": 2.0},
+                                    {"prompt_set": "sharegpt", "steps": 5, "concurrency": 1, "accept_length": 3.0}]})
+    table = C.side_by_side(sets, live)
+    assert round(table[0]["ratio"], 4) == 1.1 and table[0]["offline_per_start"] == 2.6
+    assert table[1]["offline"] is None and table[1]["ratio"] is None  # depth 5: the eval went to depth 3 only
+    md = C.markdown(C.CalibrationReport(model="m", draft="d", capture={}, sets=sets, rows=table))
+    assert "| mt-bench | 40 | - | 1.60 | 2.20 |" in md
+    with pytest.raises(ValueError, match="'heldout'"):
+        C.sets_from_eval({"heldout": {"samples": 3, "step_acc": [0.5]}})
+
+
 def test_answers_are_scored_up_to_the_live_cap():
     import torch
 
