@@ -263,6 +263,42 @@ def prompts(
 
 
 @app.command()
+def depth(
+    matrices: Annotated[list[Path], typer.Argument(help="matrix.json files of scripts/gpu_bench_grid.py")],
+    out: Annotated[Path, typer.Option(help="folder for depth.json and depth.png")] = Path("."),
+) -> None:
+    """A depth sweep from live grids: speedup and accept length against draft steps, per prompt set and
+    concurrency (depth.json, depth.png); prints the best depth of each."""
+    import json
+
+    from eaglenest.contract import atomic_write_bytes
+    from eaglenest.speculative.report import depth_sweep, plot_depth_sweep
+
+    try:
+        rows = depth_sweep([json.loads(p.read_text()) for p in matrices])
+    except (OSError, ValueError, KeyError) as e:
+        raise typer.BadParameter(str(e)) from e
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "depth.json", json.dumps({"matrices": [str(p) for p in matrices], "rows": rows},
+                                                      indent=1).encode())
+    written = [str(out / "depth.json")]
+    try:
+        atomic_write_bytes(out / "depth.png", plot_depth_sweep(rows))
+        written.append(str(out / "depth.png"))
+    except ImportError:
+        typer.echo("(no matplotlib here: depth.png not drawn)")
+    best: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        key = (r["prompt_set"], r["concurrency"])
+        if r.get("speedup") is not None and (key not in best or r["speedup"] > best[key]["speedup"]):
+            best[key] = r
+    for (name, conc), r in best.items():
+        typer.echo(f"{name} c={conc}: best steps {r['steps']}, {r['speedup']:.2f}x, accept length "
+                   f"{r['accept_length']:.2f}")
+    typer.echo(", ".join(written))
+
+
+@app.command()
 def plot(report: Annotated[Path, typer.Argument(help="report.json (e.g. from scripts/gpu_bench_grid.py)")]) -> None:
     """Write report.md and the PNG plots next to a report.json."""
     from eaglenest.speculative.report import read_report, write_report

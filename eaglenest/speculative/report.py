@@ -270,3 +270,45 @@ def require_gate(r: BenchReport, *, target_concurrency: int, min_speedup: float 
     if not g.passed:
         raise GateFailed(g.message)
     return g
+
+
+def depth_sweep(matrices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of several grid matrices (``matrix.json`` of scripts/gpu_bench_grid.py, one per draft depth
+    or several depths each) as one table sorted by prompt set, concurrency and steps; a (set, steps,
+    concurrency) measured twice keeps the later matrix's row."""
+    rows: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for i, m in enumerate(matrices):
+        if not isinstance(m.get("rows"), list):
+            raise ValueError(f"matrix {i + 1} has no rows: not a matrix.json of scripts/gpu_bench_grid.py")
+        for r in m["rows"]:
+            rows[(str(r["prompt_set"]), int(r["concurrency"]), int(r["steps"]))] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_depth_sweep(rows: list[dict[str, Any]]) -> bytes:
+    """PNG: speedup over the baseline and accept length against draft steps, one line per prompt set and
+    concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    lines: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        lines.setdefault((str(r["prompt_set"]), int(r["concurrency"])), []).append(r)
+    for i, ((name, conc), pts) in enumerate(sorted(lines.items())):
+        style = dict(color=f"C{i // 2 if len({c for _, c in lines}) == 2 else i}", ls="-" if conc == 1 else "--",
+                     marker="o", label=f"{name} c={conc}")
+        steps = [int(p["steps"]) for p in pts]
+        ax_s.plot(steps, [p.get("speedup") for p in pts], **style)
+        ax_a.plot(steps, [p.get("accept_length") for p in pts], **style)
+    ax_s.axhline(1.0, ls=":", color="black", lw=0.8)
+    ax_s.set_ylabel("EAGLE3 tok/s / baseline tok/s")
+    ax_a.set_ylabel("accept length (tokens / verify, bonus counted)")
+    for ax in (ax_s, ax_a):
+        ax.set_xlabel("draft steps (--speculative-num-steps, topk 1)")
+        ax.set_xticks(sorted({int(r["steps"]) for r in rows}))
+        ax.grid(True, alpha=0.3)
+    ax_a.legend(fontsize=8, loc="lower right")
+    return _png(fig, plt)

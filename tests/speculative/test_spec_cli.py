@@ -85,3 +85,24 @@ def test_bench_offline_on_prompts_refuses_a_token_file():
 
     with pytest.raises(ValueError, match="offline_on_prompts"):
         BenchConfig(draft="d", prompt_file="p.jsonl", offline_on_prompts=True)
+
+
+def test_bench_depth_joins_grids_and_names_the_best_depth(tmp_path):
+    def matrix(steps, rows):
+        return {"rows": [{"prompt_set": s, "steps": steps, "concurrency": c, "speedup": x, "accept_length": a}
+                         for s, c, x, a in rows]}
+
+    paths = []
+    for steps, rows in ((3, [("mt-bench", 1, 0.9, 2.2), ("mt-bench", 16, 0.6, 2.1)]),
+                        (7, [("mt-bench", 1, 1.1, 2.6), ("mt-bench", 16, 0.5, 2.4)])):
+        paths.append(tmp_path / f"m{steps}.json")
+        paths[-1].write_text(json.dumps(matrix(steps, rows)))
+    res = CliRunner().invoke(app, ["bench", "depth", *map(str, paths), "--out", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    assert "mt-bench c=1: best steps 7, 1.10x" in res.output and "mt-bench c=16: best steps 3, 0.60x" in res.output
+    rows = json.loads((tmp_path / "d" / "depth.json").read_text())["rows"]
+    assert [(r["concurrency"], r["steps"]) for r in rows] == [(1, 3), (1, 7), (16, 3), (16, 7)]
+    assert (tmp_path / "d" / "depth.png").stat().st_size > 1000
+    (tmp_path / "bad.json").write_text(json.dumps({"prompt_set": "mt-bench"}))
+    res = CliRunner().invoke(app, ["bench", "depth", str(tmp_path / "bad.json")])
+    assert res.exit_code != 0 and "not a matrix.json" in res.output
