@@ -272,7 +272,7 @@ def depth(
     import json
 
     from eaglenest.contract import atomic_write_bytes
-    from eaglenest.speculative.report import depth_sweep, plot_depth_sweep
+    from eaglenest.speculative.report import best_depths, depth_sweep, plot_depth_sweep
 
     try:
         rows = depth_sweep([json.loads(p.read_text()) for p in matrices])
@@ -287,12 +287,7 @@ def depth(
         written.append(str(out / "depth.png"))
     except ImportError:
         typer.echo("(no matplotlib here: depth.png not drawn)")
-    best: dict[tuple[str, int], dict] = {}
-    for r in rows:
-        key = (r["prompt_set"], r["concurrency"])
-        if r.get("speedup") is not None and (key not in best or r["speedup"] > best[key]["speedup"]):
-            best[key] = r
-    for (name, conc), r in best.items():
+    for (name, conc), r in best_depths(rows).items():
         typer.echo(f"{name} c={conc}: best steps {r['steps']}, {r['speedup']:.2f}x, accept length "
                    f"{r['accept_length']:.2f}")
     typer.echo(", ".join(written))

@@ -285,6 +285,16 @@ def depth_sweep(matrices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rows[k] for k in sorted(rows)]
 
 
+def best_depths(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """(prompt set, concurrency) -> the :func:`depth_sweep` row of the highest measured speedup."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (str(r["prompt_set"]), int(r["concurrency"]))
+        if r.get("speedup") is not None and (key not in best or r["speedup"] > best[key]["speedup"]):
+            best[key] = r
+    return best
+
+
 def plot_depth_sweep(rows: list[dict[str, Any]]) -> bytes:
     """PNG: speedup over the baseline and accept length against draft steps, one line per prompt set and
     concurrency."""
@@ -297,9 +307,10 @@ def plot_depth_sweep(rows: list[dict[str, Any]]) -> bytes:
     lines: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in rows:
         lines.setdefault((str(r["prompt_set"]), int(r["concurrency"])), []).append(r)
-    for i, ((name, conc), pts) in enumerate(sorted(lines.items())):
-        style = dict(color=f"C{i // 2 if len({c for _, c in lines}) == 2 else i}", ls="-" if conc == 1 else "--",
-                     marker="o", label=f"{name} c={conc}")
+    names = sorted({name for name, _ in lines})
+    for (name, conc), pts in sorted(lines.items()):  # a colour per prompt set, solid at c=1
+        style = dict(color=f"C{names.index(name)}", ls="-" if conc == 1 else "--", marker="o",
+                     label=f"{name} c={conc}")
         steps = [int(p["steps"]) for p in pts]
         ax_s.plot(steps, [p.get("speedup") for p in pts], **style)
         ax_a.plot(steps, [p.get("accept_length") for p in pts], **style)
