@@ -13,8 +13,9 @@
 #   bench  carry .device/bin .gpu                                live grid (baseline vs EAGLE3, 3 prompt sets,
 #                                                                 concurrency 1 and 16), calibration vs live
 #   specforge  carry .device/bin .device/specforge               SpecForge's trainer and ours on the same samples
-#                                                                 (after data), scored by one evaluator; live:
-#                                                                 DRAFTERS="v16k /tmp/sf/specforge-export" bench
+#                                                                 (after data; beside train in one call works), scored
+#                                                                 by one evaluator; live: DRAFTERS="wide
+#                                                                 /tmp/sf/eaglenest-export /tmp/sf/specforge-export" bench
 #
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
 #                                             prompts`)
@@ -337,14 +338,15 @@ specforge)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sfsite .device/specforge/*.whl
   export PYTHONPATH="/tmp/site:/tmp/sfsite:$PWD"
   python3 -c "import specforge.algorithms.eagle3.model"
-  rm -rf /tmp/store-fp8  # the converted features need about 7 GB of disk
-  sf=(--store /tmp/store-bf16 --target "$MODEL" --work /tmp/sf --max-train-tokens "${SF_TOKENS:-1500000}"
+  rm -rf /tmp/store-fp8  # the converted features: 4.6 KB a token (7 GB for 1.5M)
+  # SF_WORK: where they go; /dev/shm (RAM) when the extraction read in place (STORE=extraction) fills the disk
+  sf=(--store "$TRAIN_DATA" --target "$MODEL" --work "${SF_WORK:-/tmp/sf}" --max-train-tokens "${SF_TOKENS:-1500000}"
       --epochs "${SF_EPOCHS:-2}" --draft-vocab 16000)
   evals=(--eval-set mt-bench=/tmp/calib/calibration --eval-set humaneval=/tmp/calib/calibration
          --eval-set sharegpt=/tmp/calib/calibration)
-  run timeout 90 python3 scripts/gpu_specforge.py convert "${sf[@]}"
-  run timeout 270 env OUT="$R" python3 scripts/gpu_specforge.py train-specforge "${sf[@]}" 2>&1 | grep -v '^step '
-  run timeout 120 env OUT="$R" python3 scripts/gpu_specforge.py train-eaglenest "${sf[@]}" --check-sha256 0
+  run timeout 150 python3 scripts/gpu_specforge.py convert "${sf[@]}"
+  run timeout 330 env OUT="$R" python3 scripts/gpu_specforge.py train-specforge "${sf[@]}" 2>&1 | grep -v '^step '
+  run timeout 180 env OUT="$R" python3 scripts/gpu_specforge.py train-eaglenest "${sf[@]}" --check-sha256 0
   run timeout 90 env OUT="$R" python3 scripts/gpu_specforge.py score "${sf[@]}" --check-sha256 0 "${evals[@]}"
   ;;
 *) echo "unknown step $STEP" >&2; exit 2 ;;
