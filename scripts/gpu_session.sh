@@ -13,8 +13,9 @@
 #   bench  carry .device/bin .gpu                                live grid (baseline vs EAGLE3, 3 prompt sets,
 #                                                                 concurrency 1 and 16), calibration vs live
 #   specforge  carry .device/bin .device/specforge               SpecForge's trainer and ours on the same samples
-#                                                                 (after data; beside train in one call works), scored
-#                                                                 by one evaluator; live: DRAFTERS="wide
+#                                                                 (after data, in its own call: beside train it ran
+#                                                                 out of GPU memory, our trainer's cache held 116 GiB),
+#                                                                 scored by one evaluator; live: DRAFTERS="wide
 #                                                                 /tmp/sf/eaglenest-export /tmp/sf/specforge-export" bench
 #
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
