@@ -51,6 +51,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quant", action="store_true", help="q4 against q8 drafter linears (working tree build)")
+    ap.add_argument("--rounding-may-differ", action="store_true",
+                    help="the builds sum in other orders (e.g. AMX against AVX512): report how many outputs round "
+                         "differently instead of stopping")
     a = ap.parse_args()
     if a.quant and a.base != "HEAD":
         ap.error("--quant times the working tree's build only: --base does not apply")
@@ -102,9 +105,15 @@ def main() -> int:
         for r in rows:
             for w in (*weights[:4], weights[-1]):
                 x = xs[(r, w.shape[1])]
-                if not torch.equal(builds["A"].skinny_linear(x, w), builds["B"].skinny_linear(x, w)):
+                ya, yb = builds["A"].skinny_linear(x, w), builds["B"].skinny_linear(x, w)
+                if torch.equal(ya, yb):
+                    continue
+                if not a.rounding_may_differ:
                     print(f"outputs differ: rows {r}, weight {tuple(w.shape)}", file=sys.stderr)
                     return 1
+                worst = float(((ya.float() - yb.float()).abs() / yb.float().abs().clamp_min(1e-3)).max())
+                print(f"rows {r}, weight {tuple(w.shape)}: {float((ya != yb).float().mean()):.4%} of outputs round "
+                      f"differently (largest relative difference {worst:.2e})")
     gb = {f"target x{r}": sum(w.numel() * w.element_size() for w in weights) / 1e9 for r in rows}
     gb["draft"] = sum(q.numel() for q, _ in draft) / 1e9
     print(f"{runner.model_dir.name}, {torch.get_num_threads()} threads, A = {a.base}, B = working tree")

@@ -8,13 +8,16 @@ exactly as they would alone (fixed summation orders, masked keys skipped), so in
 forward reproduces the 1-row decode steps bit for bit. :func:`skinny_linear_i8` is the linear kernel
 over int8 weights with a scale per weight row: half the bytes to stream from memory, slower than bf16
 on weights already in cache (it converts each value); :func:`skinny_linear_q4` over int4 weights with a
-scale per group of values (:mod:`~eaglenest.speculative.quant` packs them): a quarter. The first use on a
+scale per group of values (:mod:`~eaglenest.speculative.quant` packs them): a quarter. On a CPU with AMX-BF16
+(Intel Sapphire Rapids and later) :func:`skinny_linear` runs bf16 weights of a multiple of 64 rows and 32 input
+features on the tile unit (``EAGLENEST_AMX=0``: the AVX512 path), each row still computed alone. The first use on a
 machine compiles them (~40 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and
 rebuilds it when the source changes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,7 +36,8 @@ kernel streaming SmolLM2's weights costs ~1.0x its 1-row time for 2 rows, ~1.07x
 Q4_BLOCK = 64
 """Packed int4 values per 32 bytes (one low and one high nibble each): the q4 kernel takes input features in
 whole blocks."""
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+         "-fopenmp"]
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -63,6 +67,25 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
     """``f(x [M, K] bf16, w [N, K] bf16) -> x @ w.T [M, N] bf16`` (M <= :data:`MAX_ROWS`, N % 4 == 0), or None."""
     mod = _module()
     return None if mod is None else mod.skinny_linear
+
+
+def amx_available() -> bool:
+    """Whether :func:`skinny_linear` runs bf16 weights on AMX here (else, or under :func:`avx512_only`, AVX512)."""
+    mod = _module()
+    return mod is not None and mod.amx_available()
+
+
+@contextlib.contextmanager
+def avx512_only():
+    """:func:`skinny_linear` on its AVX512 path for this block (process-wide): the two paths round sums differently,
+    so a decoder keeps one of them for its 1-row steps and its verifies alike."""
+    mod = _module()
+    before = mod.set_amx(False) if mod is not None else None
+    try:
+        yield
+    finally:
+        if mod is not None:
+            mod.set_amx(before)
 
 
 def skinny_linear_i8() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:

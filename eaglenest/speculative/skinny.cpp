@@ -18,9 +18,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -248,12 +252,128 @@ at::Tensor skinny(const at::Tensor& x, const W& wt, int64_t N, int64_t row_bytes
 
 }  // namespace
 
+namespace {
+
+// AMX (Sapphire Rapids and later): the same product on the tile unit. Each output value is the sum over K, in
+// 32-value chunks in order, of one TDPBF16PS per chunk: a function of its weight row and its row of x only, so a
+// k-row verify still reproduces the 1-row steps bit for bit (a different rounding than the AVX512 path's: a
+// weight takes one path for every row count). Tiles: C0..C3 (tmm0-3) the sums of 64 weight rows (16 each) for
+// the M rows of x, B (tmm4) one 32-value chunk of x (pairs of K values x M rows, VNNI order), A (tmm5, tmm6) 16
+// weight rows' chunk, read in place (rows n0..n0+63 are one contiguous block of the weight).
+constexpr int AMX_ROWS = 64;  // weight rows per block
+
+bool amx_ready() {  // the CPU has AMX-BF16 and the kernel let this process use the tile registers
+  static const bool ok = [] {
+    const char* env = std::getenv("EAGLENEST_AMX");
+    if (env != nullptr && env[0] == '0') return false;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure(int M) {  // this thread's tiles for M rows of x
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * M);  // C0..C3, B
+  for (int t = 5; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;                          // A
+  _tile_loadconfig(&cfg);
+}
+
+// x [M, K] -> xv: chunk c of 32 values as 16 rows (value pairs) of M * 2 bf16 (row p: x[m][32c + 2p], x[m][32c + 2p
+// + 1] for each m)
+void amx_pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xv) {
+  for (int64_t c = 0; c < K / 32; ++c)
+    for (int p = 0; p < 16; ++p)
+      for (int64_t m = 0; m < M; ++m) {
+        uint16_t* o = xv + ((c * 16 + p) * M + m) * 2;
+        o[0] = x[m * K + 32 * c + 2 * p];
+        o[1] = x[m * K + 32 * c + 2 * p + 1];
+      }
+}
+
+// weight rows [n0, n0 + 64) against the M rows of x (packed): the sums, rounded to bf16, into y[m, n0 ..]
+void amx_block(const uint16_t* w, int64_t K, int64_t n0, const uint16_t* xv, int64_t M, c10::BFloat16* y,
+               int64_t N, bool ask_next) {
+  const uint16_t* a = w + n0 * K;
+  const int64_t stride = 2 * K, chunk = 16 * M * 2;
+  constexpr int64_t ahead = 8;  // chunks: 4 and 16 streamed slower here (Xeon SPR VM, 2 cores)
+  const int64_t chunks = K / 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    {  // chunk c + ahead of each of the 64 rows (of the next block past the last chunk): without it the tile
+       // loads, 64 rows apart, streamed at half the AVX512 path's rate
+      const int64_t f = c + ahead;
+      if (f < chunks || ask_next) {
+        const uint16_t* base = f < chunks ? a + 32 * f : a + AMX_ROWS * K + 32 * (f - chunks);
+        for (int r = 0; r < AMX_ROWS; ++r) _mm_prefetch(reinterpret_cast<const char*>(base + r * K), _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(4, xv + c * chunk, 4 * M);
+    _tile_loadd(5, a + 32 * c, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    _tile_loadd(6, a + 16 * K + 32 * c, stride);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_loadd(5, a + 32 * K + 32 * c, stride);
+    _tile_dpbf16ps(2, 5, 4);
+    _tile_loadd(6, a + 48 * K + 32 * c, stride);
+    _tile_dpbf16ps(3, 6, 4);
+  }
+  alignas(64) float sums[AMX_ROWS * 16];  // [weight row][m]
+  _tile_stored(0, sums, 4 * M);
+  _tile_stored(1, sums + 16 * M, 4 * M);
+  _tile_stored(2, sums + 32 * M, 4 * M);
+  _tile_stored(3, sums + 48 * M, 4 * M);
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < AMX_ROWS; j += 16) {  // 16 sums of row m -> bf16 (nearest even) in one instruction
+      const __m512 v = _mm512_i32gather_ps(
+          _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(j), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                      10, 11, 12, 13, 14, 15)),
+                             _mm512_set1_epi32(static_cast<int>(M))),
+          sums + m, 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+std::atomic<bool> amx_on{true};  // set_amx: the caller's choice (a benchmark times both paths in one process)
+
+bool amx_fits(int64_t M, int64_t K, int64_t N) { return M >= 1 && M <= 16 && K % 32 == 0 && N % AMX_ROWS == 0; }
+
+at::Tensor skinny_amx(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  std::vector<uint16_t> xv(M * K);
+  amx_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xv.data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = N / AMX_ROWS, grain = std::max<int64_t>(1, 131072 / (AMX_ROWS * 2 * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    amx_configure(static_cast<int>(M));
+    for (int64_t b = b0; b < b1; ++b) amx_block(wp, K, b * AMX_ROWS, xv.data(), M, yp, N, b + 1 < b1);
+  });
+  return y;
+}
+
+}  // namespace
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "skinny_linear: bf16 x and w expected");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu(), "skinny_linear: contiguous CPU tensors");
   TORCH_CHECK(w.size(0) % NJ == 0, "skinny_linear: output features must be a multiple of ", NJ);
+  if (amx_on.load(std::memory_order_relaxed) && amx_fits(x.size(0), x.size(1), w.size(0)) && amx_ready())
+    return skinny_amx(x, w);
   const Bf16Weights wt{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), x.size(1)};
   return skinny(x, wt, w.size(0), 2 * x.size(1));
 }
@@ -624,7 +744,12 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+bool amx_available() { return amx_ready(); }
+bool set_amx(bool on) { return amx_on.exchange(on); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("skinny_linear", &skinny_linear, "y = x @ w.T, bf16, few rows");
+  m.def("amx_available", &amx_available, "whether skinny_linear can run bf16 weights on AMX here");
+  m.def("set_amx", &set_amx, "AMX on or off for skinny_linear (returns the previous setting)");
   m.def("decode_attention", &decode_attention, "grouped-query attention of a few bf16 rows");
   m.def("skinny_linear_i8", &skinny_linear_i8, "y = x @ (w * scale).T, bf16 x, int8 w, few rows");
   m.def("skinny_linear_q4", &skinny_linear_q4, "y = x @ dequantized(w).T, bf16 x, int4 w in scaled groups, few rows");

@@ -3,6 +3,8 @@ and used by the decoders' linears inside a decoding phase only."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,15 +20,28 @@ def skinny():
     return f
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (4, 3072, 576), (5, 576, 1536), (7, 64, 40), (16, 8, 100)])
-def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k):
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (4, 3072, 576), (5, 576, 1536), (7, 64, 40), (16, 8, 100),
+                                         (16, 192, 96), (2, 64, 32), (3, 68, 64)])
+@pytest.mark.parametrize("path", ["default", "avx512"])
+def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k, path):
+    """On either path of the kernel (AMX where the CPU has it, or AVX512)."""
     g = torch.Generator().manual_seed(m * n + k)
     x, w = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((m, k), (n, k)))
-    y = skinny(x, w)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2 * k ** 0.5)
-    for i in range(m):  # a verify row gets exactly what a 1-row step gets
-        assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
+    with kernels.avx512_only() if path == "avx512" else contextlib.nullcontext():
+        y = skinny(x, w)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2 * k ** 0.5)
+        for i in range(m):  # a verify row gets exactly what a 1-row step gets
+            assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
+
+
+def test_avx512_only_restores_the_amx_setting(skinny):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 576, generator=g).to(torch.bfloat16), torch.randn(49152, 576, generator=g).to(torch.bfloat16)
+    before = skinny(x, w)
+    with kernels.avx512_only():
+        skinny(x, w)
+    assert torch.equal(skinny(x, w), before)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (3, 16000, 576), (4, 576, 6144), (5, 8, 100), (16, 12, 40)])
