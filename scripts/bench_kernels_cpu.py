@@ -1,6 +1,6 @@
 """A/B of two builds of the decode kernels (``skinny.cpp``) on the target's own weights, on the CPU.
 
-    python scripts/bench_kernels_cpu.py [--base REV_OR_FILE] [--rows 1,2,4,8] [--reps 30]
+    python scripts/bench_kernels_cpu.py [--base REV_OR_FILE] [--rows 1,2,4,8] [--reps 30] [--amx --rounding-may-differ]
     python scripts/bench_kernels_cpu.py --quant [--rows 1,4] [--reps 30]
 
 Builds ``eaglenest/speculative/skinny.cpp`` as it is in the working tree (B) and as it is at ``--base``
@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quant", action="store_true", help="q4 against q8 drafter linears (working tree build)")
+    ap.add_argument("--amx", action="store_true", help="the working tree's build on AMX (as speculation runs it)")
     ap.add_argument("--rounding-may-differ", action="store_true",
                     help="the builds sum in other orders (e.g. AMX against AVX512): report how many outputs round "
                          "differently instead of stopping")
@@ -70,6 +71,10 @@ def main() -> int:
     builds = {"B": load(name="eaglenest_skinny_b", sources=[str(SOURCE)], extra_cflags=FLAGS)}
     if not a.quant:
         builds["A"] = load(name="eaglenest_skinny_a", sources=[str(_base_source(a.base, tmp))], extra_cflags=FLAGS)
+    if a.amx:
+        if not builds["B"].amx_available():
+            ap.error("--amx: this CPU has no AMX-BF16 (or the kernel refused the tile registers)")
+        builds["B"].set_amx(True)
     runner = TargetRunner(resolve_model(a.model), dtype="bfloat16")
     tg = decode_target(runner.model, runner.aux_layer_ids)
     weights = [w for lw in tg.layers for w, _ in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [tg.head[0]]

@@ -2,8 +2,8 @@
 
 Owns the measurement protocol behind ``scripts/bench_spec_cpu.py`` and ``eaglenest bench cpu``:
 
-- every prompt is decoded by plain greedy under each plain oneDNN policy (where the skinny kernel runs bf16
-  weights on AMX, also on its AVX512 path: the policy's name + ``/avx512``) and by every speculative
+- every prompt is decoded by plain greedy under each plain oneDNN policy (where the skinny kernel can run bf16
+  weights on AMX, as speculation does, also there: the policy's name + ``/amx``) and by every speculative
   variant (oneDNN policy x speculation shape), one after another per prompt, the order reversed every
   other prompt and round (load from other processes hits all alike), after one warm-up prompt each;
 - tok/s = generated tokens / (prefill + decode) wall time; the speedup compares the BEST speculative
@@ -12,7 +12,7 @@ Owns the measurement protocol behind ``scripts/bench_spec_cpu.py`` and ``eaglene
   split into drafting, the verify forward and the rest (bookkeeping) -- the break-even accept length;
 - losslessness: each speculative output is compared with the best plain policy's output for the
   same prompt; fp32 must match exactly, bf16 may differ where a batched verify rounds differently or where
-  the best plain run took the other path of the skinny kernel (AVX512 against AMX);
+  the best plain run took the other path of the skinny kernel (AVX512 against speculation's AMX);
 - acceptance: :class:`~eaglenest.speculative.decoder.AcceptStats` per variant (bonus token counted).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglenest.engines.runtime import TargetRunner
 from eaglenest.speculative.decoder import AcceptStats, SpecDecoder, plain_greedy
-from eaglenest.speculative.kernels import amx_available, avx512_only
+from eaglenest.speculative.kernels import amx, amx_available
 from eaglenest.speculative.onednn import OneDNN
 from eaglenest.speculative.tree import SpecShape
 
@@ -166,12 +166,13 @@ def _accept_json(a: AcceptStats) -> dict[str, Any]:
             "conditional_at": list(a.conditional_at), "histogram": list(a.histogram)}
 
 
-AVX512 = "/avx512"
-"""Suffix of a plain policy run with the skinny kernel's AVX512 path where AMX would run (:func:`avx512_only`)."""
+AMX = "/amx"
+"""Suffix of a plain policy run with the skinny kernel on AMX (:func:`~eaglenest.speculative.kernels.amx`), as the
+speculative decoder's forwards run."""
 
 
-def _avx512(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    with avx512_only():
+def _on_amx(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    with amx():
         return fn(*args, **kw)
 
 
@@ -192,7 +193,7 @@ def side_by_side(
         runs.append((MethodTotals(method="plain", policy=p), lambda ids, n, pol=pols[p]: plain_greedy(
             runner, ids, max_new_tokens=n, ignore_eos=ignore_eos, onednn=pol)))
         if amx_available():  # plain greedy on either path of the skinny kernel, whichever is faster is the baseline
-            runs.append((MethodTotals(method="plain", policy=f"{p}{AVX512}"), lambda ids, n, pol=pols[p]: _avx512(
+            runs.append((MethodTotals(method="plain", policy=f"{p}{AMX}"), lambda ids, n, pol=pols[p]: _on_amx(
                 plain_greedy, runner, ids, max_new_tokens=n, ignore_eos=ignore_eos, onednn=pol)))
     for p in spec_policies:
         for shape in shapes:

@@ -30,15 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.runtime import TargetRunner
-from eaglenest.speculative.kernels import row_argmax
+from eaglenest.speculative.kernels import amx, row_argmax
 from eaglenest.speculative.onednn import OneDNN, phase
-from eaglenest.speculative.target import decode_target
+from eaglenest.speculative.target import HFTarget, LeanTarget, decode_target
 from eaglenest.speculative.tree import DraftTree, SpecShape, accept, verify_inputs
 
 
@@ -164,18 +164,23 @@ class SpecDecoder:
         stop_token_ids: Sequence[int] = (),
     ) -> SpecGeneration:
         stops = _stops(self.runner, ignore_eos, stop_token_ids)
-        dev, ctx = self.runner.device, self.runner.context_length
         target = decode_target(self.runner.model, self.runner.aux_layer_ids, lean=self.lean)
         prompt = list(input_ids)
         t0 = time.perf_counter()
+        if max_new_tokens <= 0:
+            return SpecGeneration(output_ids=[], finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
+                                  decode_s=0.0, draft_s=0.0, verify_s=0.0)
+        cache = target.new_cache(len(prompt) + max_new_tokens + self.shape.nodes + 1)
+        with amx():  # where the CPU has it: a verify's rows cost what one row does (kernels.amx)
+            return self._generate(target, cache, prompt, stops, max_new_tokens, t0)
+
+    def _generate(self, target: LeanTarget | HFTarget, cache: Any, prompt: list[int], stops: set[int],
+                  max_new_tokens: int, t0: float) -> SpecGeneration:
+        dev, ctx = self.runner.device, self.runner.context_length
         output: list[int] = []
         accepted: list[int] = []
         drafted: list[int] = []
         draft_s = verify_s = 0.0
-        if max_new_tokens <= 0:
-            return SpecGeneration(output_ids=output, finish_reason="length", accepted=(), drafted=(), prefill_s=0.0,
-                                  decode_s=0.0, draft_s=0.0, verify_s=0.0)
-        cache = target.new_cache(len(prompt) + max_new_tokens + self.shape.nodes + 1)
         with phase(self.onednn.prefill):  # the target's prompt and the drafter's extend over it
             logits, aux = target.forward(cache, torch.tensor([prompt], device=dev), aux=True, last_only=True)
             root = int(row_argmax(logits[-1:])[0])

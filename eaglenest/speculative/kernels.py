@@ -9,8 +9,10 @@ forward reproduces the 1-row decode steps bit for bit. :func:`skinny_linear_i8` 
 over int8 weights with a scale per weight row: half the bytes to stream from memory, slower than bf16
 on weights already in cache (it converts each value); :func:`skinny_linear_q4` over int4 weights with a
 scale per group of values (:mod:`~eaglenest.speculative.quant` packs them): a quarter. On a CPU with AMX-BF16
-(Intel Sapphire Rapids and later) :func:`skinny_linear` runs bf16 weights of a multiple of 64 rows and 32 input
-features on the tile unit (``EAGLENEST_AMX=0``: the AVX512 path), each row still computed alone. The first use on a
+(Intel Sapphire Rapids and later), inside :func:`amx`, :func:`skinny_linear` runs bf16 weights of a multiple of 64
+rows and 32 input features on the tile unit, each row still computed alone: SmolLM2's linears for 4 rows then cost
+what they cost for 1 (1.26x on AVX512), while a 1-row pass is 3-8% slower than on AVX512; so the speculative
+decoder's forwards run there and plain decoding stays on AVX512 (``EAGLENEST_AMX=0``: never AMX). The first use on a
 machine compiles them (~40 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and
 rebuilds it when the source changes).
 """
@@ -70,17 +72,17 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
 
 
 def amx_available() -> bool:
-    """Whether :func:`skinny_linear` runs bf16 weights on AMX here (else, or under :func:`avx512_only`, AVX512)."""
+    """Whether :func:`skinny_linear` can run bf16 weights on AMX here (inside :func:`amx`)."""
     mod = _module()
     return mod is not None and mod.amx_available()
 
 
 @contextlib.contextmanager
-def avx512_only():
-    """:func:`skinny_linear` on its AVX512 path for this block (process-wide): the two paths round sums differently,
-    so a decoder keeps one of them for its 1-row steps and its verifies alike."""
+def amx():
+    """:func:`skinny_linear` on AMX for this block where the CPU has it (process-wide; else a no-op). The two paths
+    round sums in other orders, so a decoder runs its 1-row steps and its verifies on the same one."""
     mod = _module()
-    before = mod.set_amx(False) if mod is not None else None
+    before = mod.set_amx(True) if mod is not None else None
     try:
         yield
     finally:

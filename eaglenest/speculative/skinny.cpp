@@ -345,7 +345,7 @@ void amx_block(const uint16_t* w, int64_t K, int64_t n0, const uint16_t* xv, int
     }
 }
 
-std::atomic<bool> amx_on{true};  // set_amx: the caller's choice (a benchmark times both paths in one process)
+std::atomic<bool> amx_on{false};  // set_amx: the caller's choice (the speculative decoder's forwards, not plain steps)
 
 bool amx_fits(int64_t M, int64_t K, int64_t N) { return M >= 1 && M <= 16 && K % 32 == 0 && N % AMX_ROWS == 0; }
 

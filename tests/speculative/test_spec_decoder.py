@@ -283,9 +283,9 @@ def test_side_by_side_benchmark_accounts_every_variant(spec_tiny, tmp_path):
     res = side_by_side(runner, lambda pol, shape: load_spec_decoder(runner, fitted, shape=shape, onednn=pol), prompts,
                        max_new_tokens=12, shapes=shapes, plain_policies=["onednn", "prefill-only"],
                        spec_policies=["prefill-only"], rounds=2, ignore_eos=True)
-    avx512 = {"plain onednn/avx512", "plain prefill-only/avx512"} if amx_available() else set()  # both kernel paths
+    on_amx = {"plain onednn/amx", "plain prefill-only/amx"} if amx_available() else set()  # both kernel paths
     assert {t.label for t in res.totals} == {"plain onednn", "plain prefill-only", "eagle3 prefill-only chain3",
-                                             "eagle3 prefill-only tree3x2n5"} | avx512
+                                             "eagle3 prefill-only tree3x2n5"} | on_amx
     assert all(t.tokens == 72 and len(t.outputs) == 3 for t in res.totals)  # 2 rounds x 3 prompts x 12 tokens
     eagle = [t for t in res.totals if t.method == "eagle3"]
     assert all(res.mismatch_rate(t) == 0 for t in eagle)  # fp32: lossless

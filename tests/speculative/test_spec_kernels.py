@@ -22,12 +22,12 @@ def skinny():
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (4, 3072, 576), (5, 576, 1536), (7, 64, 40), (16, 8, 100),
                                          (16, 192, 96), (2, 64, 32), (3, 68, 64)])
-@pytest.mark.parametrize("path", ["default", "avx512"])
+@pytest.mark.parametrize("path", ["default", "amx"])
 def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k, path):
-    """On either path of the kernel (AMX where the CPU has it, or AVX512)."""
+    """On either path of the kernel (AVX512, and AMX where the CPU has it)."""
     g = torch.Generator().manual_seed(m * n + k)
     x, w = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((m, k), (n, k)))
-    with kernels.avx512_only() if path == "avx512" else contextlib.nullcontext():
+    with kernels.amx() if path == "amx" else contextlib.nullcontext():
         y = skinny(x, w)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2 * k ** 0.5)
@@ -35,11 +35,11 @@ def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k
             assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
 
 
-def test_avx512_only_restores_the_amx_setting(skinny):
+def test_amx_block_restores_the_kernel_path(skinny):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(4, 576, generator=g).to(torch.bfloat16), torch.randn(49152, 576, generator=g).to(torch.bfloat16)
     before = skinny(x, w)
-    with kernels.avx512_only():
+    with kernels.amx():
         skinny(x, w)
     assert torch.equal(skinny(x, w), before)
 
