@@ -35,11 +35,13 @@ from eaglenest.speculative.tree import SpecShape, measured_best_shape
 class SpecConfig:
     """EAGLE-3 speculation settings, in SGLang's terms."""
 
-    num_steps: int = 5
+    num_steps: int = 7
     """Draft forwards per cycle (--speculative-num-steps). The default is the measured best in SGLang on the H200
-    with the best drafter so far (results/2026-12-02c-h200/depth, MT-Bench, 40 prompts x 256, one round each):
-    steps 3 accept 2.40 at 0.73x (another drafter of the same training 2.36 at 0.87x), steps 5 2.61 at 1.05x,
-    steps 7 2.78 at 0.64x of plain decoding at concurrency 1; at 16, 0.47-0.59x, 0.56x and 0.48x."""
+    (MT-Bench, 40 prompts x 256, one round each, concurrency 1): the sweep of results/2026-12-03b-h200/depth (v32)
+    steps 3 / 5 / 7 / 10 accept 2.24 / 2.50 / 2.57 / 2.62 at 0.88x / 1.08x / 1.11x / 1.06x of plain decoding (at 16:
+    0.58x / 0.53x / 0.77x / 0.70x; steps 7 also best on HumanEval and ShareGPT); with the better v32c
+    (results/2026-12-03c-h200) steps 3 0.91x, steps 7 1.11x. An earlier drafter's sweep (2026-12-02c) had steps 5
+    best: one-round speedups swing 10-30% between runs, accept lengths do not."""
     topk: int = 1
     """Branching per draft step (--speculative-eagle-topk); 1 = a chain, more = an EAGLE-2 tree."""
     num_draft_tokens: int | None = None
