@@ -1,4 +1,4 @@
-"""Command line for the drafter: ``eaglenest train ...`` and ``eaglenest export ...``.
+"""Command line for the drafter: ``eaglenest train ...``, ``eaglenest export ...`` and ``eaglenest trim-vocab ...``.
 
 Thin: options are generated from :class:`~eaglenest.drafter.config.TrainConfig` (or read from
 ``--params FILE``; ``--set FIELD=VALUE`` sets any field too), then the library trains.
@@ -84,3 +84,26 @@ def export_command(
     if target is not None:
         load_drafter(path, target_dir=resolve_model(target))
     typer.echo(str(path))
+
+
+@app.command("trim-vocab")
+@one_line
+def trim_vocab_command(
+    src: Annotated[Path, typer.Argument(help="an eaglenest export (sglang or speculators)")],
+    out: Annotated[Path, typer.Argument(help="export folder to create")],
+    size: Annotated[int, typer.Option(help="draft tokens to keep (fewer than the export has)")],
+    counts_from: Annotated[str, typer.Option(help="what the drafter was trained on: a store URL or extraction "
+                                                  "folder, or the target's answers (a JSON-lines file of output_ids)")],
+    overwrite: Annotated[bool, typer.Option(help="replace an existing export")] = False,
+) -> None:
+    """Cut a drafter's draft vocabulary (its LM head) to the SIZE tokens most frequent in its training data: a
+    cheaper draft step where the head's weights dominate (the embedded CPU decoder)."""
+    from eaglenest.drafter.model import DrafterConfig
+    from eaglenest.drafter.trim import token_counts, trim_export
+
+    manifest = src / "eaglenest.json"
+    if not manifest.is_file():
+        raise UsageError(f"{src}: no eaglenest.json; trim-vocab takes an eaglenest export")
+    vocab_size = DrafterConfig.from_dict(json.loads(manifest.read_text())["drafter_config"]).vocab_size
+    report = trim_export(src, out, size=size, counts=token_counts(counts_from, vocab_size), overwrite=overwrite)
+    typer.echo(json.dumps(report.to_dict(), indent=1))

@@ -1,1 +1,1 @@
-"""EAGLE-3 drafter: model (SGLang-exact), draft vocabulary, TTT training, checkpoints, exports."""
+"""EAGLE-3 drafter: model (SGLang-exact), draft vocabulary, TTT training, checkpoints, exports, vocabulary trims."""

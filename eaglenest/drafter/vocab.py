@@ -15,8 +15,10 @@ smallest unused ids (never-seen tokens cost nothing but a row of the head).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +60,21 @@ class DraftVocab:
         coverage = float(counts[chosen].sum() / total) if total else float("nan")
         return cls(torch.from_numpy(chosen.astype(np.int64)), vocab_size, coverage)
 
+    def most_frequent(self, counts: np.ndarray | torch.Tensor, size: int) -> tuple[DraftVocab, torch.Tensor]:
+        """The ``size`` ids of this vocabulary most frequent in ``counts`` [V] (ties: smaller id first), and their
+        positions here (ascending: the rows of this vocabulary's LM head to keep)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (self.vocab_size,):
+            raise contract.ContractError(f"token counts cover {counts.shape[0]} ids; the target vocabulary has "
+                                         f"{self.vocab_size}")
+        if not 0 < size <= self.size:
+            raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{self.size} (the current size)")
+        mine = counts[self.target_ids.numpy()]
+        keep = torch.from_numpy(np.sort(np.argsort(-mine, kind="stable")[:size]).astype(np.int64))
+        total = int(counts.sum())
+        coverage = float(mine[keep.numpy()].sum() / total) if total else float("nan")
+        return DraftVocab(self.target_ids[keep], self.vocab_size, coverage), keep
+
     @classmethod
     def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
         ids = d2t.to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
@@ -80,6 +97,22 @@ def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
                 )
             counts += np.bincount(picked, minlength=vocab_size)
     return counts
+
+
+def count_answer_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Occurrences [V] of each id in the ``output_ids`` of a JSON-lines file: the target's answers as the
+    regeneration recipe records them (``answers.jsonl`` of an extraction folder), i.e. its loss-masked tokens."""
+    answers = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                answers.append(np.asarray(json.loads(line)["output_ids"], dtype=np.int64).reshape(-1))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise contract.ContractError(f"{path}:{n}: not a JSON object with a list of output_ids") from None
+    ids = np.concatenate(answers) if answers else np.zeros(0, dtype=np.int64)
+    return count_tokens([(ids, np.ones(ids.shape, dtype=bool))], vocab_size)
 
 
 def build_draft_vocab(
