@@ -103,3 +103,14 @@ def test_counts_from_an_extraction_folder_are_its_loss_masked_tokens(tmp_path):
     vocab = int(masked.max()) + 1
     counts = token_counts(tmp_path / "ext", vocab)
     assert counts.sum() == masked.size > 0 and np.array_equal(counts, np.bincount(masked, minlength=vocab))
+
+
+def test_a_speculators_export_trims_to_a_speculators_export(trained_run, tmp_path, tiny_model_dir,  # noqa: F811
+                                                            drafter_store):
+    src = export_drafter(trained_run, tmp_path / "vllm", fmt="speculators", speculative_tokens=5)
+    out = trim_export(src, tmp_path / "t", size=30, counts=counts_of(drafter_store)).out_dir
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == 30
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert any(k.startswith("layers.0.") for k in load_file(str(out / "model.safetensors")))
+    assert load_drafter(out, target_dir=tiny_model_dir).model.config.draft_vocab_size == 30
