@@ -15,8 +15,11 @@
 #   specforge  carry .device/bin .device/specforge               SpecForge's trainer and ours on the same samples
 #                                                                 (after data, in its own call: beside train it ran
 #                                                                 out of GPU memory, our trainer's cache held 116 GiB),
-#                                                                 scored by one evaluator; live: DRAFTERS="wide
-#                                                                 /tmp/sf/eaglenest-export /tmp/sf/specforge-export" bench
+#                                                                 scored by one evaluator (SF_TOKENS 3M x 2 epochs: 421 s,
+#                                                                 2026-12-03d); live, each drafter on every prompt set:
+#                                                                 DRAFTERS=SF_WORK/specforge-export bench, then
+#                                                                 DRAFTERS=SF_WORK/eaglenest-export bench (same baseline;
+#                                                                 412 s for both; copy /dev/shm exports to /tmp first)
 #
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
 #                                             prompts`)
