@@ -62,7 +62,7 @@ from eaglenest.drafter.data import BatchStream, store_view
 from eaglenest.drafter.export import export_drafter, sglang_config
 from eaglenest.drafter.model import DrafterConfig
 from eaglenest.drafter.train_state import HELDOUT, open_eval_sets, store_fingerprint
-from eaglenest.drafter.vocab import build_draft_vocab
+from eaglenest.drafter.vocab import build_draft_vocab, loss_tokens
 from eaglenest.store import open_samples, split_indices
 
 FEATURES, SELECTION, VOCAB, DRAFT_CONFIG, TARGET_VIEW = (
@@ -221,8 +221,8 @@ def convert(store, s: Settings, sel: Selection) -> dict:
     seconds = time.perf_counter() - t0
     target_dir = model_lib.resolve_model(s.target)
     tcfg = json.loads((target_dir / "config.json").read_text())
-    vocab = build_draft_vocab(((store[i].input_ids, store[i].loss_mask) for i in sel.indices),
-                              vocab_size=int(tcfg["vocab_size"]), size=s.draft_vocab)
+    vocab = build_draft_vocab(loss_tokens(store, sel.indices), vocab_size=int(tcfg["vocab_size"]),
+                              size=s.draft_vocab)
     _save_torch({"d2t": vocab.d2t, "t2d": vocab.t2d}, work / VOCAB)
     dcfg = DrafterConfig.from_target(tcfg, aux_layer_ids=tuple(store.provenance.aux_layer_ids),
                                      draft_vocab_size=vocab.size)

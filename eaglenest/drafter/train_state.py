@@ -24,7 +24,7 @@ from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
-from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab
+from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab, loss_tokens
 from eaglenest.store.extraction import open_samples as open_store
 
 
@@ -214,8 +214,7 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
     """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it)."""
     size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
     if d.rank == 0:
-        vocab = build_draft_vocab(((store[i].input_ids, store[i].loss_mask) for i in train_idx),
-                                  vocab_size=vocab_size, size=size)
+        vocab = build_draft_vocab(loss_tokens(store, train_idx), vocab_size=vocab_size, size=size)
         ids = vocab.target_ids
     else:
         ids, vocab = torch.zeros(size, dtype=torch.int64), None

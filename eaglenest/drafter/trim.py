@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from eaglenest import contract
 from eaglenest.drafter.export import MANIFEST, TrainedDrafter, export_drafter
 from eaglenest.drafter.model import DrafterConfig
-from eaglenest.drafter.vocab import DraftVocab, count_answer_tokens, count_tokens
+from eaglenest.drafter.vocab import DraftVocab, count_answer_tokens, count_tokens, loss_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +49,7 @@ def token_counts(source: str | Path, vocab_size: int) -> np.ndarray:
         return count_answer_tokens(path, vocab_size)
     from eaglenest.store.extraction import open_samples
 
-    store = open_samples(source)
-    return count_tokens(((store[i].input_ids, store[i].loss_mask) for i in range(len(store))), vocab_size)
+    return count_tokens(loss_tokens(open_samples(source)), vocab_size)
 
 
 def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.ndarray,

@@ -16,7 +16,7 @@ smallest unused ids (never-seen tokens cost nothing but a row of the head).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +97,13 @@ def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_siz
                 )
             counts += np.bincount(picked, minlength=vocab_size)
     return counts
+
+
+def loss_tokens(store, indices: Sequence[int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, loss_mask) of a store's samples ``indices`` (None: all), each sample read once."""
+    for i in range(len(store)) if indices is None else indices:
+        sample = store[i]
+        yield sample.input_ids, sample.loss_mask
 
 
 def count_answer_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
