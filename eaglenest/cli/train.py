@@ -98,12 +98,7 @@ def trim_vocab_command(
 ) -> None:
     """Cut a drafter's draft vocabulary (its LM head) to the SIZE tokens most frequent in its training data: a
     cheaper draft step where the head's weights dominate (the embedded CPU decoder)."""
-    from eaglenest.drafter.model import DrafterConfig
-    from eaglenest.drafter.trim import token_counts, trim_export
+    from eaglenest.drafter.trim import trim_export
 
-    manifest = src / "eaglenest.json"
-    if not manifest.is_file():
-        raise UsageError(f"{src}: no eaglenest.json; trim-vocab takes an eaglenest export")
-    vocab_size = DrafterConfig.from_dict(json.loads(manifest.read_text())["drafter_config"]).vocab_size
-    report = trim_export(src, out, size=size, counts=token_counts(counts_from, vocab_size), overwrite=overwrite)
+    report = trim_export(src, out, size=size, counts=counts_from, overwrite=overwrite)
     typer.echo(json.dumps(report.to_dict(), indent=1))

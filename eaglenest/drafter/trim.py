@@ -52,10 +52,11 @@ def token_counts(source: str | Path, vocab_size: int) -> np.ndarray:
     return count_tokens(loss_tokens(open_samples(source)), vocab_size)
 
 
-def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.ndarray,
+def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.ndarray | str | Path,
                 overwrite: bool = False) -> TrimReport:
     """Write ``src`` (an eaglenest export) to ``out_dir`` with its draft vocabulary cut to the ``size`` ids most
-    frequent in ``counts`` [V] (:meth:`DraftVocab.most_frequent`)."""
+    frequent in ``counts`` [V] (:meth:`DraftVocab.most_frequent`), or in what :func:`token_counts` counts there
+    (a store, an extraction folder, an answers file: read once the export and the size are known good)."""
     src = Path(src)
     if not (src / MANIFEST).is_file():
         raise contract.ContractError(f"{src}: no {MANIFEST}; trim-vocab takes an eaglenest export")
@@ -66,11 +67,12 @@ def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.n
     if size >= vocab.size:
         raise contract.ContractError(f"{src}: its draft vocabulary has {vocab.size} tokens; trimming needs a smaller "
                                      f"size, got {size}")
+    if not isinstance(counts, np.ndarray):
+        counts = token_counts(counts, cfg.vocab_size)
     trimmed, keep = vocab.most_frequent(counts, size)
     weights.update({"lm_head.weight": weights["lm_head.weight"][keep].contiguous(), "d2t": trimmed.d2t,
                     "t2d": trimmed.t2d})
-    total = int(np.asarray(counts).sum())
-    before = float(np.asarray(counts)[vocab.target_ids.numpy()].sum() / total) if total else float("nan")
+    before = vocab.share_of(counts)
     training = dict(manifest.get("training") or {})
     training["trimmed"] = {"from": str(src), "draft_vocab_before": vocab.size, "draft_vocab": size,
                            "coverage_before": before, "coverage": trimmed.coverage}

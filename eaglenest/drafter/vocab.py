@@ -15,6 +15,7 @@ smallest unused ids (never-seen tokens cost nothing but a row of the head).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,10 +56,8 @@ class DraftVocab:
         if not 0 < size <= vocab_size:
             raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
         order = np.argsort(-counts, kind="stable")  # by count desc, id asc
-        chosen = np.sort(order[:size])
-        total = int(counts.sum())
-        coverage = float(counts[chosen].sum() / total) if total else float("nan")
-        return cls(torch.from_numpy(chosen.astype(np.int64)), vocab_size, coverage)
+        vocab = cls(torch.from_numpy(np.sort(order[:size]).astype(np.int64)), vocab_size)
+        return dataclasses.replace(vocab, coverage=vocab.share_of(counts))
 
     def most_frequent(self, counts: np.ndarray | torch.Tensor, size: int) -> tuple[DraftVocab, torch.Tensor]:
         """The ``size`` ids of this vocabulary most frequent in ``counts`` [V] (ties: smaller id first), and their
@@ -71,9 +70,14 @@ class DraftVocab:
             raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{self.size} (the current size)")
         mine = counts[self.target_ids.numpy()]
         keep = torch.from_numpy(np.sort(np.argsort(-mine, kind="stable")[:size]).astype(np.int64))
+        vocab = DraftVocab(self.target_ids[keep], self.vocab_size)
+        return dataclasses.replace(vocab, coverage=vocab.share_of(counts)), keep
+
+    def share_of(self, counts: np.ndarray | torch.Tensor) -> float:
+        """Share of the occurrences counted in ``counts`` [V] whose token is in this vocabulary (nan: none)."""
+        counts = np.asarray(counts, dtype=np.int64)
         total = int(counts.sum())
-        coverage = float(mine[keep.numpy()].sum() / total) if total else float("nan")
-        return DraftVocab(self.target_ids[keep], self.vocab_size, coverage), keep
+        return float(counts[self.target_ids.numpy()].sum() / total) if total else float("nan")
 
     @classmethod
     def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
