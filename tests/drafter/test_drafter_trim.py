@@ -14,7 +14,7 @@ from eaglenest.cli import main
 from eaglenest.contract import ContractError
 from eaglenest.drafter.export import MANIFEST, export_drafter, load_drafter
 from eaglenest.drafter.trim import token_counts, trim_export
-from eaglenest.drafter.vocab import count_tokens
+from eaglenest.drafter.vocab import count_tokens, loss_tokens
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,7 @@ def exported(trained_run, tmp_path_factory):  # noqa: F811
 
 
 def counts_of(drafter_store) -> np.ndarray:
-    return count_tokens(((s.input_ids, s.loss_mask) for s in (drafter_store[i] for i in range(len(drafter_store)))),
-                        512)
+    return count_tokens(loss_tokens(drafter_store), 512)
 
 
 def test_trimmed_export_keeps_the_most_frequent_ids_and_their_logits(exported, tmp_path, tiny_model_dir,
