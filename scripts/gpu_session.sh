@@ -36,7 +36,7 @@
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 80000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; empty: free prompts), DRAFTERS
-# (wide; the first on every prompt set; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
+# (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -246,7 +246,8 @@ prompts)
   ensure_model
   mkdir -p /tmp/gpu-logs
   starters=(); [ -z "${STARTER_SET-kinds}" ] || starters=(--starter-set "${STARTER_SET-kinds}")
-  run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" \
+  # SELF_SEED (0): another base seed asks for other prompts (their ids, self-SEED-i, do not meet an earlier pack's)
+  run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" --seed "${SELF_SEED:-0}" \
     --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \
     ${starters[@]+"${starters[@]}"} \
     --sglang-arg=--mem-fraction-static --sglang-arg=0.5 > "$R/self-prompts.json"
@@ -315,7 +316,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
   for name in $drafters; do
     [ "$name" != none ] || continue
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
-    [ "$first" = 1 ] || sets=/tmp/gpu/mt-bench.jsonl
+    [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
@@ -323,8 +324,9 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     [ "${ROUNDS:-1}" = 1 ] || base=(--rounds "$ROUNDS")
     mkdir -p "$R/grid-$name" "$R/calib-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
-      --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency 1,16 --steps "${STEPS:-3}" \
-      --max-new-tokens 256 "${base[@]}" || echo "grid $name exited $?" >&2
+      --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
+      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" \
+      || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
     [ "${ROUNDS:-1}" != 1 ] || cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
