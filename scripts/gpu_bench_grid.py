@@ -206,8 +206,9 @@ def main() -> int:
             for c in base["concurrencies"]:
                 g = gate(report, target_concurrency=c, min_speedup=a.min_speedup)
                 lv = report.level("eagle3", c)
-                matrix.append({"prompt_set": name, "steps": k, "draft_tokens": cfg.spec.draft_tokens,
-                               "concurrency": c, "speedup": g.speedup, "cycle_cost_steps": g.cycle_cost_steps,
+                matrix.append({"prompt_set": name, "steps": k, "topk": cfg.spec.topk,
+                               "draft_tokens": cfg.spec.draft_tokens, "concurrency": c, "speedup": g.speedup,
+                               "cycle_cost_steps": g.cycle_cost_steps,
                                "accept_length": lv.accept_length if lv else None,
                                "baseline_tok_s": report.level("baseline", c).output_tok_s,
                                "eagle3_tok_s": lv.output_tok_s if lv else None,

@@ -2,7 +2,7 @@
 
     python scripts/gpu_calibrate.py --model MODEL_DIR --draft DRAFTER_DIR --prompts CALIB.jsonl \
         [--live report.json ...] [--server-url http://127.0.0.1:30001 --server-capture-dir DIR] \
-        [--max-new-tokens 256] [--depths 1,2,3,4,5,6,7,8] [--work /tmp/calib]
+        [--max-new-tokens 256] [--depths 1,2,3,4,5,6,7,8] [--shape tree6x4n15 ...] [--work /tmp/calib]
 
 CALIB.jsonl is written on a machine with the packages (the GPU machine has no network):
 ``eaglenest bench prompts --format messages --prompt-set mt-bench --prompt-set humaneval --prompt-set sharegpt
@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
 from eaglenest.speculative.calibration import CaptureSettings, calibrate_on_prompts, markdown, write_calibration
+from eaglenest.speculative.tree import SpecShape
 
 
 def main() -> int:
@@ -40,6 +41,8 @@ def main() -> int:
     ap.add_argument("--server-capture-dir", default=None, help="where that server writes shards, if it does not say")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="the live grid's --max-new-tokens")
     ap.add_argument("--depths", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="also replay this shape (a tree: tree6x4n15 = steps 6, topk 4, 16 draft tokens) on the CPU")
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--sglang-arg", action="append", default=[])
@@ -59,6 +62,7 @@ def main() -> int:
 
     report = calibrate_on_prompts(source=a.prompts, draft=a.draft, settings=settings, work_dir=a.work,
                                   live_reports=a.live, depths=[int(x) for x in a.depths.split(",") if x],
+                                  shapes=[SpecShape.parse(x) for x in a.shape],
                                   on_progress=progress)
     report.notes.append("command: " + " ".join(sys.argv))
     path = write_calibration(report, out)

@@ -170,6 +170,9 @@ def offline(
         help="a live bench report.json or matrix.json of the same prompts (repeatable): offline and live side by "
              "side")] = None,
     depths: Annotated[str, typer.Option(help="chain depths to simulate on prompt sets")] = "1,2,3,4,5,6,7,8",
+    shape: Annotated[list[str] | None, typer.Option(
+        help="also replay this shape cycle by cycle on prompt sets (repeatable), e.g. tree6x4n15 = SGLang's "
+             "--speculative-num-steps 6 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16")] = None,
     engine: Annotated[str, typer.Option(help="capture engine for prompt sets: embedded | sglang")] = "embedded",
     server_url: Annotated[list[str] | None, typer.Option(help="running capture server (repeatable)")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="first N prompts of each set")] = None,
@@ -184,11 +187,20 @@ def offline(
     # the store's estimate uses the default depth (SpecConfig.num_steps) unless --steps says another
     cfg = params if params.num_steps is not None else params.model_copy(update={"num_steps": params.spec.num_steps})
     if prompt_set or prompts_file:
+        from eaglenest.speculative.tree import SpecShape
+
+        try:
+            shapes = [SpecShape.parse(x) for x in shape or []]
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--shape") from None
         _offline_on_prompts(draft=cfg.draft, prompt_sets=prompt_set or [], prompts_file=prompts_file,
                             live=live or [], model=cfg.model, depths=[int(x) for x in depths.split(",") if x],
-                            engine=engine, server_urls=server_url or [], num_prompts=num_prompts,
+                            shapes=shapes, engine=engine, server_urls=server_url or [], num_prompts=num_prompts,
                             max_new_tokens=max_new_tokens, out=out)
         return
+    if shape:
+        raise typer.BadParameter("shapes are replayed on prompt sets: give --prompt-set or --prompts-file",
+                                 param_hint="--shape")
     if cfg.store_url is None:
         raise typer.BadParameter("give the store to read held-out samples from (or --prompt-set / --prompts-file "
                                  "to calibrate on prompt sets)", param_hint="--store")
@@ -213,14 +225,14 @@ def offline(
         typer.echo(json.dumps(calibrate(res["accept_length_cycles"], live_res.accept_length).to_json()))
 
 
-def _offline_on_prompts(*, draft, prompt_sets, prompts_file, live, model, depths, engine, server_urls, num_prompts,
-                        max_new_tokens, out) -> None:
+def _offline_on_prompts(*, draft, prompt_sets, prompts_file, live, model, depths, shapes, engine, server_urls,
+                        num_prompts, max_new_tokens, out) -> None:
     from eaglenest.speculative import calibration as C
 
     settings = C.CaptureSettings(model=model, engine=engine, server_urls=server_urls, max_new_tokens=max_new_tokens)
     report = C.calibrate_prompt_sets(draft=draft, settings=settings, work_dir=out, prompt_sets=prompt_sets,
                                      prompts_file=prompts_file, num_prompts=num_prompts, live_reports=live,
-                                     depths=depths)
+                                     depths=depths, shapes=shapes)
     typer.echo(C.markdown(report))
     typer.echo(f"files: {out / 'calibration.json'}, {out / 'calibration.md'}")
 

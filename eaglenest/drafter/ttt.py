@@ -298,21 +298,30 @@ def cycle_walk(loss_mask: Sequence[bool], accepted: Sequence[int]) -> list[int]:
     r accepts ``a`` drafts (never past the turn's last token e) and the next root is ``r + a + 1``; a
     root at e is never drafted from (the request has ended).
     """
-    mask = [bool(m) for m in loss_mask]
     out: list[int] = []
-    t_len = len(mask)
-    s = 0
-    while s < t_len:
-        if not mask[s] or s == 0:
-            s += 1
-            continue
-        e = s
-        while e + 1 < t_len and mask[e + 1]:
-            e += 1
+    for s, e in answer_turns(loss_mask):
         r = s
         while r < e:
             a = min(int(accepted[r - 1]), e - r)
             out.append(a)
             r += a + 1
-        s = e + 1
+    return out
+
+
+def answer_turns(loss_mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """(first, last) token index of each maximal run of answer tokens with a prompt before it (a run at token 0
+    has no prompt: no live decode wrote it)."""
+    mask = [bool(m) for m in loss_mask]
+    out = []
+    t = 0
+    while t < len(mask):
+        if not mask[t]:
+            t += 1
+            continue
+        e = t
+        while e + 1 < len(mask) and mask[e + 1]:
+            e += 1
+        if t > 0:
+            out.append((t, e))
+        t = e + 1
     return out

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eaglenest.forms import show_bounds
-from eaglenest.speculative.serve import SpecConfig
+from eaglenest.speculative.serve import SGLANG_BEST, SpecConfig
 from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
 OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
@@ -40,7 +40,8 @@ class BenchConfig(BaseModel):
     model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
     draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
     num_steps: int | None = Field(None, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps; "
-                                  "default: 3 on SGLang, the measured best shape on the embedded engine)")
+                                  "none of the three: the measured best shape, on SGLang steps 6 x topk 4 x 16 "
+                                  "tokens, on the embedded engine eaglenest/speculative/cpu_shape.json)")
     topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
@@ -117,7 +118,10 @@ class BenchConfig(BaseModel):
 
     @property
     def spec(self) -> SpecConfig:
-        """SGLang's flags (num_steps unset: SpecConfig's default depth)."""
+        """SGLang's flags: none given, the measured best shape (:data:`~eaglenest.speculative.serve.SGLANG_BEST`);
+        topk or draft tokens without num_steps, SpecConfig's default depth."""
+        if not self._sglang_flags_given():
+            return SGLANG_BEST
         steps = {} if self.num_steps is None else {"num_steps": self.num_steps}
         return SpecConfig(**steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
 
@@ -235,34 +239,53 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
         return _offline_on_prompts(cfg)
     if not cfg.store_url:
         return None
-    from eaglenest.speculative.offline import load_offline_draft, offline_accept_length
+    from eaglenest.speculative.offline import (
+        heldout_indices,
+        load_offline_draft,
+        offline_accept_length,
+        replay_shapes,
+    )
     from eaglenest.store import open_samples
 
     store = open_samples(cfg.store_url)
     draft, head = load_offline_draft(model_path(cfg), cfg.draft)
     prov = getattr(store, "provenance", None)
-    res = offline_accept_length(store, draft, head, num_steps=cfg.spec_shape.depth,
+    shape = cfg.spec_shape
+    res = offline_accept_length(store, draft, head, num_steps=shape.depth,
                                 heldout_fraction=cfg.heldout_fraction,
                                 max_samples=cfg.offline_max_samples,
-                                aux_layer_ids=getattr(prov, "aux_layer_ids", None))
-    return res.to_json()
+                                aux_layer_ids=getattr(prov, "aux_layer_ids", None)).to_json()
+    if shape.is_chain:
+        return res
+    # a tree: its own acceptance, replayed on the same samples (the chain of its depth stays beside it)
+    idx = heldout_indices(store, cfg.heldout_fraction, cfg.offline_max_samples)
+    tree = replay_shapes(store, draft, idx, [shape])[shape.name]
+    return {**res, "shape": shape.name, "chain_accept_length_cycles": res["accept_length_cycles"],
+            "accept_length_cycles": tree.accept_length_cycles, "cycles": tree.cycles}
 
 
 def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
     from eaglenest.speculative import calibration as C
 
-    work, depth = Path(cfg.output_dir) / "calibration", cfg.spec_shape.depth
+    shape = cfg.spec_shape
+    work, depth = Path(cfg.output_dir) / "calibration", shape.depth
     settings = C.CaptureSettings(model=cfg.model, engine=cfg.engine, server_urls=cfg.capture_server_urls,
                                  max_new_tokens=cfg.max_new_tokens, sglang_args=cfg.sglang_args)
     report = C.calibrate_prompt_sets(draft=cfg.draft, settings=settings, work_dir=work, prompt_sets=[cfg.prompt_set],
-                                     num_prompts=cfg.num_prompts, depths=sorted({*C.DEFAULT_DEPTHS, depth}))
+                                     num_prompts=cfg.num_prompts, depths=sorted({*C.DEFAULT_DEPTHS, depth}),
+                                     shapes=[] if shape.is_chain else [shape])
     (one,) = report.sets
     at = one.by_depth[depth]
-    return {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": depth,
-            "accept_length_cycles": at["accept_length_cycles"], "accept_length": at["accept_length"],
-            "cycles": at["cycles"], "target_agreement": one.target_agreement,
-            "by_depth": {str(d): v["accept_length_cycles"] for d, v in one.by_depth.items()},
-            "calibration_dir": str(work)}
+    out = {"source": "prompts", "prompt_set": one.prompt_set, "samples": one.samples, "num_steps": depth,
+           "accept_length_cycles": at["accept_length_cycles"], "accept_length": at["accept_length"],
+           "cycles": at["cycles"], "target_agreement": one.target_agreement,
+           "by_depth": {str(d): v["accept_length_cycles"] for d, v in one.by_depth.items()},
+           "calibration_dir": str(work)}
+    if not shape.is_chain:  # a tree: its replay is the estimate; the chain of its depth stays beside it
+        tree = one.by_shape[shape.name]
+        out.update(shape=shape.name, chain_accept_length_cycles=out["accept_length_cycles"],
+                   accept_length_cycles=tree["accept_length_cycles"], cycles=tree["cycles"])
+    return out
 
 
 def _spec_json(cfg: BenchConfig) -> dict[str, Any]:

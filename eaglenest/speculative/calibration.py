@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eaglenest.speculative.prompts import PromptSet
+from eaglenest.speculative.tree import SpecShape
 
 DEFAULT_DEPTHS = tuple(range(1, 9))
 
@@ -116,6 +117,8 @@ class SetOffline:
     measured, as in a training run's eval)."""
     by_depth: dict[int, dict[str, float]]
     """depth -> accept_length_cycles (compare with live), accept_length (per start), cycles, chains."""
+    by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
+    """shape name (trees: ``tree6x4n15``) -> accept_length_cycles, cycles: replayed cycle by cycle."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -166,10 +169,12 @@ def cap_turns(loss_mask, cap: int):
 
 
 def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAULT_DEPTHS,
-                         aux_layer_ids: Sequence[int] | None = None, answer_cap: int | None = None) -> list[SetOffline]:
+                         aux_layer_ids: Sequence[int] | None = None, answer_cap: int | None = None,
+                         shapes: Sequence[SpecShape] = ()) -> list[SetOffline]:
     """Simulate ``draft`` on every sample of ``store``, grouped by the prompt set in its sample id (answers
-    cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens)."""
-    from eaglenest.speculative.offline import simulate_depths
+    cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens): chains at every depth in
+    ``depths``, and each of ``shapes`` (trees) by replay."""
+    from eaglenest.speculative.offline import replay_shapes, simulate_depths
 
     if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
         raise ValueError(f"the captures hold aux layers {list(aux_layer_ids)}, the drafter reads "
@@ -185,10 +190,13 @@ def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAU
     out = []
     for name, idx in groups.items():
         res = simulate_depths(store, draft, lm_head, idx, tuple(depths))
+        replayed = replay_shapes(store, draft, idx, shapes) if shapes else {}
         out.append(SetOffline(prompt_set=name, samples=len(idx), target_agreement=res[max(depths)].target_agreement,
                               by_depth={d: {"accept_length_cycles": r.accept_length_cycles,
                                             "accept_length": r.accept_length, "cycles": r.cycles,
-                                            "chains": r.chains} for d, r in sorted(res.items())}))
+                                            "chains": r.chains} for d, r in sorted(res.items())},
+                              by_shape={k: {"accept_length_cycles": r.accept_length_cycles, "cycles": r.cycles}
+                                        for k, r in replayed.items()}))
     return out
 
 
@@ -199,20 +207,33 @@ class LiveAccept:
     concurrency: int
     accept_length: float
     report: str
+    shape: str = ""
+    """The speculation's shape name (``chain3``, ``tree6x4n15``: SGLang's 16 draft tokens less the root)."""
+
+
+def _shape_name(num_steps: int, topk: Any, draft_tokens: Any) -> str:
+    from eaglenest.speculative.serve import SpecConfig
+
+    tokens = None if draft_tokens is None or int(topk or 1) == 1 else int(draft_tokens)
+    return SpecConfig(num_steps=num_steps, topk=int(topk or 1), num_draft_tokens=tokens).shape.name
 
 
 def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
     """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
-    (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency)."""
+    (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency;
+    a grid of trees says ``topk`` in its rows or, in grids written before rows carried it, in its command)."""
     if "rows" in report_json:
+        cmd = [str(x) for x in report_json.get("command") or []]
+        grid_topk = cmd[cmd.index("--topk") + 1] if "--topk" in cmd[:-1] else 1
         return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
-                           concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path)
+                           concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path,
+                           shape=_shape_name(int(r["steps"]), r.get("topk", grid_topk), r.get("draft_tokens")))
                 for r in report_json["rows"] if r.get("accept_length") is not None]
     spec = report_json.get("spec") or {}
-    if int(spec.get("topk", 1)) != 1:
-        raise ValueError(f"{path}: topk {spec.get('topk')} is a tree, the simulator drafts a chain (topk 1)")
+    shape = _shape_name(int(spec["num_steps"]), spec.get("topk", 1), spec.get("num_draft_tokens"))
     return [LiveAccept(prompt_set=str(report_json["prompt_set"]), num_steps=int(spec["num_steps"]),
-                       concurrency=int(lv["concurrency"]), accept_length=float(lv["accept_length"]), report=path)
+                       concurrency=int(lv["concurrency"]), accept_length=float(lv["accept_length"]), report=path,
+                       shape=shape)
             for lv in report_json["eagle3"]["levels"] if lv.get("accept_length") is not None]
 
 
@@ -232,15 +253,18 @@ class CalibrationReport:
 
 
 def side_by_side(sets: Sequence[SetOffline], live: Sequence[LiveAccept]) -> list[dict[str, Any]]:
-    """Rows pairing every live accept length with the offline estimate of the same set and depth."""
+    """Rows pairing every live accept length with the offline estimate of the same set and shape (a chain's by
+    its depth, a tree's by its replay)."""
     by_name = {s.prompt_set: s for s in sets}
     rows = []
     for lv in live:
         s = by_name.get(lv.prompt_set)
-        off = s.by_depth.get(lv.num_steps) if s else None
+        tree = bool(lv.shape) and not lv.shape.startswith("chain")
+        off = (s.by_shape.get(lv.shape) if tree else s.by_depth.get(lv.num_steps)) if s else None
         est = off["accept_length_cycles"] if off else None
-        rows.append({"prompt_set": lv.prompt_set, "depth": lv.num_steps, "concurrency": lv.concurrency,
-                     "offline": est, "offline_per_start": off["accept_length"] if off else None,
+        rows.append({"prompt_set": lv.prompt_set, "depth": lv.num_steps, "shape": lv.shape or f"chain{lv.num_steps}",
+                     "concurrency": lv.concurrency, "offline": est,
+                     "offline_per_start": off.get("accept_length") if off else None,
                      "live": lv.accept_length, "ratio": est / lv.accept_length if est and lv.accept_length else None,
                      "report": lv.report})
     return rows
@@ -257,14 +281,21 @@ def markdown(report: CalibrationReport) -> str:
         cells = [f"{s.by_depth[d]['accept_length_cycles']:.2f}" if d in s.by_depth else "-" for d in depths]
         agree = "-" if s.target_agreement is None else f"{s.target_agreement:.3f}"
         lines.append(f"| {s.prompt_set} | {s.samples} | {agree} | " + " | ".join(cells) + " |")
+    shapes = sorted({k for s in report.sets for k in s.by_shape})
+    if shapes:
+        lines += ["", "Other shapes, replayed cycle by cycle (accept length per verify cycle):",
+                  "", "| prompt set | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+        for s in report.sets:
+            cells = [f"{s.by_shape[k]['accept_length_cycles']:.2f}" if k in s.by_shape else "-" for k in shapes]
+            lines.append(f"| {s.prompt_set} | " + " | ".join(cells) + " |")
     if report.rows:
-        lines += ["", "| prompt set | depth | concurrency | offline | offline per start | live | offline / live |",
+        lines += ["", "| prompt set | shape | concurrency | offline | offline per start | live | offline / live |",
                   "|---|---|---|---|---|---|---|"]
         for r in report.rows:
             def f(v):
                 return "-" if v is None else f"{v:.2f}"
-            lines.append(f"| {r['prompt_set']} | {r['depth']} | {r['concurrency']} | {f(r['offline'])} | "
-                         f"{f(r['offline_per_start'])} | {f(r['live'])} | {f(r['ratio'])} |")
+            lines.append(f"| {r['prompt_set']} | {r.get('shape') or r['depth']} | {r['concurrency']} | "
+                         f"{f(r['offline'])} | {f(r['offline_per_start'])} | {f(r['live'])} | {f(r['ratio'])} |")
     return "\n".join([*lines, *(f"- {n}" for n in report.notes)]) + "\n"
 
 
@@ -279,7 +310,8 @@ def write_calibration(report: CalibrationReport, out_dir: str | Path) -> Path:
 
 def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: CaptureSettings, work_dir: str | Path,
                          live_reports: Sequence[str | Path] = (), depths: Sequence[int] = DEFAULT_DEPTHS,
-                         device: str = "auto", on_progress=None) -> CalibrationReport:
+                         shapes: Sequence[SpecShape] = (), device: str = "auto", on_progress=None
+                         ) -> CalibrationReport:
     """Capture the target's greedy answers to ``source`` and put the drafter's offline estimate beside
     the live accept lengths of ``live_reports`` (bench report.json files of the same prompt sets)."""
     from eaglenest.models import resolve_model
@@ -298,7 +330,7 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
     dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)
     sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
-                                answer_cap=settings.max_new_tokens)
+                                answer_cap=settings.max_new_tokens, shapes=shapes)
     live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]
     sources = read_prompt_source(source)
     counts = {k: ext_report.get(k) for k in ("samples", "done", "pending", "skipped", "bad_records")}
@@ -315,7 +347,8 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
 def calibrate_prompt_sets(*, draft: str | Path, settings: CaptureSettings, work_dir: str | Path,
                           prompt_sets: Sequence[str] = (), prompts_file: str | Path | None = None,
                           num_prompts: int | None = None, live_reports: Sequence[str | Path] = (),
-                          depths: Sequence[int] = DEFAULT_DEPTHS) -> CalibrationReport:
+                          depths: Sequence[int] = DEFAULT_DEPTHS, shapes: Sequence[SpecShape] = ()
+                          ) -> CalibrationReport:
     """Named prompt sets (first ``num_prompts`` of each) or a prompt source file -> the target's greedy answers
     captured under ``work_dir`` -> the offline estimate beside ``live_reports``, written to ``work_dir``
     (calibration.json / .md). What ``eaglenest bench offline --prompt-set`` and the bench flow run."""
@@ -328,6 +361,6 @@ def calibrate_prompt_sets(*, draft: str | Path, settings: CaptureSettings, work_
     if source is None:
         raise ValueError("give prompt sets or a prompt source file to calibrate on")
     report = calibrate_on_prompts(source=source, draft=draft, settings=settings, work_dir=work_dir,
-                                  live_reports=live_reports, depths=depths)
+                                  live_reports=live_reports, depths=depths, shapes=shapes)
     write_calibration(report, work_dir)
     return report

@@ -38,7 +38,7 @@ from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready
 from eaglenest.engines.sglang_flags import sglang_flags
 from eaglenest.extraction.aio import run_sync
-from eaglenest.speculative.serve import SpecConfig
+from eaglenest.speculative.serve import SGLANG_BEST, SpecConfig
 
 
 class BenchError(RuntimeError):
@@ -365,7 +365,7 @@ def bench_servers_together(
 
 def sglang_command(
     model: str | Path, *, port: int, host: str = "127.0.0.1", draft: str | Path | None = None,
-    spec: SpecConfig = SpecConfig(), cuda_graph: bool = True, attention_backend: str | None = "triton",
+    spec: SpecConfig = SGLANG_BEST, cuda_graph: bool = True, attention_backend: str | None = "triton",
     sampling_backend: str | None = "pytorch", mem_fraction_static: float | None = None,
     extra: Sequence[str] = (), python: str = sys.executable,
 ) -> list[str]:

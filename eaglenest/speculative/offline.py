@@ -18,22 +18,31 @@ final_hidden [T, H_t] captured by the serving engine) and every start position t
 
 Starts are the loss-masked (assistant) positions whose k labels exist. Accept length counts the
 bonus token, as everywhere in eaglenest.
+
+Any shape, trees included (EAGLE-2 dynamic trees as SGLang drafts them with --speculative-eagle-topk > 1), is
+estimated by replay (:func:`replay_cycles`): the embedded decoder's own proposer drafts from the captured target
+features cycle by cycle, and the data, which the target wrote greedily, plays the verify. One proposer call per
+cycle instead of one batched forward per step, so slower than the chain simulation; CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
-from eaglenest.drafter.ttt import cycle_walk
+from eaglenest.drafter.ttt import answer_turns, cycle_walk
 from eaglenest.speculative.draft import load_exported_drafter, target_embedding, target_lm_head
+from eaglenest.speculative.tree import SpecShape, accept
+
+if TYPE_CHECKING:
+    from eaglenest.speculative.decoder import Proposer
 
 
 class SampleLike(Protocol):
@@ -269,6 +278,75 @@ def simulate_depths(store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tenso
             chains[d].append(chains_at_depth(sample, g, drafts, d))
         used.append(sample.sample_id)
     return {d: summarize(chains[d], d, used) for d in depths}
+
+
+def replay_cycles(make_proposer: Callable[[], Proposer], sample: SampleLike, depth: int) -> list[int]:
+    """Accepted drafts of each verify cycle of a live greedy decode of this sample's answers, drafted by
+    ``make_proposer()`` (chain or tree) on the captured target features, the data standing in for the verify.
+
+    Exact on answers the target wrote greedily (the regeneration recipe, a calibration capture): per turn the
+    proposer begins after the prompt with the answer's first token as root; each cycle drafts ``depth`` deep
+    (as SGLang does up to the end of a request), accepts the longest drafted path the data follows up to the
+    turn's last token (:func:`eaglenest.speculative.tree.accept`) and advances by it; the next root is the token
+    after it, and a root on the turn's last token ends the turn, as the request has ended there
+    (:func:`cycle_walk`'s rule)."""
+    x = sample.input_ids.long().tolist()
+    aux = sample.aux_hidden
+    cycles: list[int] = []
+    with torch.inference_mode():
+        for s, e in answer_turns(sample.loss_mask.tolist()):
+            proposer = make_proposer()
+            proposer.begin(x[:s], aux[:s], x[s])
+            r = s
+            while r < e:
+                tree = proposer.propose(depth)
+                # the target's greedy token after the root and after each node on the data's path is the data
+                # (nodes off it are never read: accept follows matching children only)
+                verdict = [x[r + 1], *(x[r + d + 1] if r + d + 1 <= e else -1 for d in tree.depths())]
+                a = len(accept(tree, verdict)[0])
+                cycles.append(a)
+                if r + a + 1 >= e:
+                    break
+                proposer.advance(x[r + 1 : r + a + 2], aux[r : r + a + 1])
+                r += a + 1
+    return cycles
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayResult:
+    shape: str
+    samples: int
+    cycles: int
+    accept_length_cycles: float
+    """Mean (accepted + 1) over the verify cycles (bonus counted): what SGLang reports for this shape."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def replay_shapes(store: StoreLike, draft: Eagle3Drafter, indices: Sequence[int], shapes: Sequence[SpecShape]
+                  ) -> dict[str, ReplayResult]:
+    """Accept length per verify cycle of each shape, replayed (:func:`replay_cycles`) over ``store[indices]``
+    (on the CPU: the embedded decoder's proposer; a drafter elsewhere is copied there)."""
+    from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
+    from eaglenest.speculative.kernels import amx
+
+    if draft.d2t.device.type != "cpu":
+        import copy
+
+        draft = copy.deepcopy(draft).cpu()
+    fast: dict[str, FastDrafter] = {}
+    out = {}
+    for shape in shapes:
+        if shape.quant not in fast:
+            fast[shape.quant] = FastDrafter(draft, quant=shape.quant)
+        fd = fast[shape.quant]
+        with amx():  # the embedded decoder's own setting (kernels.amx): a tree's rows cost what one row does
+            cycles = [a for i in indices for a in replay_cycles(lambda fd=fd, sh=shape: Eagle3Proposer(fd, sh),
+                                                                store[i], shape.depth)]
+        out[shape.name] = ReplayResult(shape=shape.name, samples=len(indices), cycles=len(cycles),
+                                       accept_length_cycles=1 + sum(cycles) / len(cycles) if cycles else float("nan"))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

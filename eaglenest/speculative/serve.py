@@ -36,12 +36,13 @@ class SpecConfig:
     """EAGLE-3 speculation settings, in SGLang's terms."""
 
     num_steps: int = 7
-    """Draft forwards per cycle (--speculative-num-steps). The default is the measured best in SGLang on the H200
-    (MT-Bench, 40 prompts x 256, one round each, concurrency 1): the sweep of results/2026-12-03b-h200/depth (v32)
-    steps 3 / 5 / 7 / 10 accept 2.24 / 2.50 / 2.57 / 2.62 at 0.88x / 1.08x / 1.11x / 1.06x of plain decoding (at 16:
-    0.58x / 0.53x / 0.77x / 0.70x; steps 7 also best on HumanEval and ShareGPT); with the better v32c
-    (results/2026-12-03c-h200) steps 3 0.91x, steps 7 1.11x. An earlier drafter's sweep (2026-12-02c) had steps 5
-    best: one-round speedups swing 10-30% between runs, accept lengths do not."""
+    """Draft forwards per cycle (--speculative-num-steps). The default is the measured best chain depth in SGLang on
+    the H200 (MT-Bench, 40 prompts x 256, one round each, concurrency 1): the sweep of results/2026-12-03b-h200/depth
+    (v32) steps 3 / 5 / 7 / 10 accept 2.24 / 2.50 / 2.57 / 2.62 at 0.88x / 1.08x / 1.11x / 1.06x of plain decoding (at
+    16: 0.58x / 0.53x / 0.77x / 0.70x; steps 7 also best on HumanEval and ShareGPT); with v32c
+    (results/2026-12-03c-h200) steps 3 0.91x, steps 7 1.11x; v32e (2026-12-03e) 1.21x / 1.42x. One-round speedups
+    swing 10-30% between runs, accept lengths do not. A tree beats every chain: :data:`SGLANG_BEST` is what runs
+    when no shape is asked for."""
     topk: int = 1
     """Branching per draft step (--speculative-eagle-topk); 1 = a chain, more = an EAGLE-2 tree."""
     num_draft_tokens: int | None = None
@@ -81,6 +82,15 @@ class SpecConfig:
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
                 "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.topk),
                 "--speculative-num-draft-tokens", str(self.draft_tokens)]
+
+
+SGLANG_BEST = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
+"""What SGLang runs when no speculation flag is given: the measured best shape on the H200 (results/2026-12-03e-h200,
+drafter v32e, 40 prompts x 256 per set, greedy, concurrency 1, one round each against one baseline run): this EAGLE-2
+tree accepts 3.73 / 4.33 / 4.38 tokens per cycle on MT-Bench / HumanEval / ShareGPT at 1.53x and 1.74x (two runs) /
+1.51x / 1.71x of plain decoding, against the best chain (steps 7) 2.93 / 3.54 / 3.72 at 1.42x / 1.30x / 1.63x; a cycle
+costs about the same (2.1-2.9 baseline steps either way), so the tree's extra accepted tokens are speed. Concurrency
+16 was not measured for the tree (the chain at 16: 0.80x / 1.39x / 1.00x)."""
 
 
 class SpecGreedy:

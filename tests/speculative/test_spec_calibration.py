@@ -10,6 +10,7 @@ from spec_support import one_thread
 
 from eaglenest.speculative import calibration as C
 from eaglenest.speculative.prompts import Prompt, PromptSet
+from eaglenest.speculative.tree import SpecShape
 
 
 def prompt_sets() -> list[PromptSet]:
@@ -62,7 +63,8 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     with one_thread():  # a drafter that knows these answers (the point is the estimate, not the drafter)
         fit_drafter(runner, fitted, [store[i].input_ids.tolist() for i in range(len(store))])
         rep = C.calibrate_on_prompts(source=source, draft=fitted, settings=settings, work_dir=work,
-                                     live_reports=[tmp_path / "report.json"], depths=(1, 2, 3))
+                                     live_reports=[tmp_path / "report.json"], depths=(1, 2, 3),
+                                     shapes=[SpecShape(depth=3, topk=2, draft_tokens=5)])
     by_set = {s.prompt_set: s for s in rep.sets}
     assert {k: v.samples for k, v in by_set.items()} == {"mt-bench": 4, "humaneval": 2}
     mt = by_set["mt-bench"]
@@ -71,11 +73,12 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     assert mt.target_agreement > 0.95
     al = [mt.by_depth[d]["accept_length_cycles"] for d in (1, 2, 3)]
     assert al == sorted(al) and 1.5 <= al[2] <= 4.0
+    assert mt.by_shape["tree3x2n5"]["accept_length_cycles"] >= al[2] - 0.05  # a tree replayed beside the chains
     assert [r["concurrency"] for r in rep.rows] == [1]  # a level without an accept length is not a row
     assert rep.rows[0]["ratio"] == pytest.approx(mt.by_depth[3]["accept_length_cycles"] / 2.0)
     out = C.write_calibration(rep, tmp_path / "out")
     assert json.loads(out.read_text())["rows"][0]["prompt_set"] == "mt-bench"
-    assert "| mt-bench | 3 | 1 |" in (tmp_path / "out" / "calibration.md").read_text()
+    assert "| mt-bench | chain3 | 1 |" in (tmp_path / "out" / "calibration.md").read_text()
     # the same prompts decoded live (the embedded EAGLE-3 decoder, greedy, same answer cap)
     samples = [store[i] for i, sid in enumerate(store.sample_ids) if sid.startswith("mt-bench:")]
     with one_thread():
@@ -84,9 +87,27 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     assert mt.by_depth[3]["accept_length_cycles"] == pytest.approx(live.accept_length, rel=0.05)
 
 
-def test_live_reports_of_a_tree_are_refused():
-    with pytest.raises(ValueError, match="topk"):
-        C.live_accepts({"prompt_set": "mt-bench", "spec": {"num_steps": 3, "topk": 4}, "eagle3": {"levels": []}})
+def test_a_live_tree_pairs_with_its_replay_not_with_the_chain_of_its_depth():
+    tree_report = {"prompt_set": "mt-bench", "spec": {"num_steps": 6, "topk": 4, "num_draft_tokens": 16},
+                   "eagle3": {"levels": [{"concurrency": 1, "accept_length": 3.7}]}}
+    grid = {"command": ["scripts/gpu_bench_grid.py", "--steps", "6", "--topk", "4", "--draft-tokens", "16"],
+            "rows": [{"prompt_set": "humaneval", "steps": 6, "draft_tokens": 16, "concurrency": 1,
+                      "accept_length": 4.3}]}  # a grid written before its rows said topk: from its command
+    live = C.live_accepts(tree_report, "r.json") + C.live_accepts(grid, "matrix.json")
+    assert [x.shape for x in live] == ["tree6x4n15", "tree6x4n15"]
+    sets = [C.SetOffline(prompt_set=n, samples=2, target_agreement=1.0,
+                         by_depth={6: {"accept_length_cycles": 2.9, "accept_length": 3.0}},
+                         by_shape={"tree6x4n15": {"accept_length_cycles": v, "cycles": 50}})
+            for n, v in (("mt-bench", 3.5), ("humaneval", 4.4))]
+    rows = C.side_by_side(sets, live)
+    assert [(r["shape"], r["offline"], r["offline_per_start"]) for r in rows] == [
+        ("tree6x4n15", 3.5, None), ("tree6x4n15", 4.4, None)]
+    assert rows[0]["ratio"] == pytest.approx(3.5 / 3.7)
+    md = C.markdown(C.CalibrationReport(model="m", draft="d", capture={}, sets=sets, rows=rows))
+    assert "| mt-bench | 3.50 |" in md and "| mt-bench | tree6x4n15 | 1 | 3.50 | - | 3.70 | 0.95 |" in md
+    with pytest.raises(ValueError, match="num_draft_tokens"):  # a shape SGLang would refuse is not guessed at
+        C.live_accepts({"prompt_set": "x", "spec": {"num_steps": 2, "topk": 2, "num_draft_tokens": 9},
+                        "eagle3": {"levels": []}})
 
 
 def test_a_grid_matrix_gives_one_live_row_per_set_steps_and_concurrency():

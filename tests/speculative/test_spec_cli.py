@@ -53,7 +53,7 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
     import pytest
 
     from eaglenest.speculative.bench import BenchConfig, _spec_json
-    from eaglenest.speculative.serve import SpecConfig
+    from eaglenest.speculative.serve import SGLANG_BEST, SpecConfig
     from eaglenest.speculative.tree import SpecShape, measured_best_shape
 
     best = measured_best_shape()
@@ -63,8 +63,14 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
     assert BenchConfig(draft="/d", num_steps=3).spec_shape == SpecShape(depth=3)
     assert BenchConfig(draft="/d", shape="chain4p0.35").spec_shape == SpecShape(depth=4, min_prob=0.35)
     sglang = BenchConfig(draft="/d", engine="sglang")
-    # SGLang's depth is SpecConfig's default (the measured best there), not the CPU's shape
-    assert sglang.spec_shape == SpecShape(depth=SpecConfig().num_steps) and "shape" not in _spec_json(sglang)
+    # SGLang's shape is the measured best there (a tree), not the CPU's shape; flags given, SGLang's own defaults
+    assert sglang.spec == SGLANG_BEST and sglang.spec_shape == SpecShape(depth=6, topk=4, draft_tokens=15)
+    assert _spec_json(sglang) == {"num_steps": 6, "topk": 4, "num_draft_tokens": 16}
+    assert SGLANG_BEST.sglang_args("/d")[-6:] == ["--speculative-num-steps", "6", "--speculative-eagle-topk", "4",
+                                                  "--speculative-num-draft-tokens", "16"]
+    steps3 = BenchConfig(draft="/d", engine="sglang", num_steps=3)
+    assert steps3.spec_shape == SpecShape(depth=3) and _spec_json(steps3)["num_draft_tokens"] == 4
+    assert BenchConfig(draft="/d", engine="sglang", topk=2, num_draft_tokens=6).spec.num_steps == SpecConfig().num_steps
     with pytest.raises(ValueError, match="embedded"):
         BenchConfig(draft="/d", engine="sglang", shape="chain3")
     with pytest.raises(ValueError, match="not both"):
@@ -76,6 +82,14 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
 def test_bench_offline_needs_a_store_or_prompt_sets():
     res = CliRunner().invoke(app, ["bench", "offline", "--draft", "/d"])
     assert res.exit_code != 0 and "--prompt-set" in res.output
+
+
+def test_bench_offline_shapes_are_replayed_on_prompt_sets_only():
+    res = CliRunner().invoke(app, ["bench", "offline", "--draft", "/d", "--store", "/s", "--shape", "tree6x4n15"])
+    assert res.exit_code != 0 and "--prompt-set" in res.output
+    res = CliRunner().invoke(app, ["bench", "offline", "--draft", "/d", "--prompt-set", "mt-bench",
+                                   "--shape", "tree6x4"])
+    assert res.exit_code != 0 and "treeDxKnN" in res.output
 
 
 def test_bench_offline_on_prompts_refuses_a_token_file():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from spec_support import one_thread
 
+from eaglenest.drafter.ttt import answer_turns
 from eaglenest.speculative.draft import load_exported_drafter
 from eaglenest.speculative.drafting import Eagle3Proposer, FastDrafter
 from eaglenest.speculative.offline import (
@@ -16,6 +17,8 @@ from eaglenest.speculative.offline import (
     chain_drafts,
     load_offline_draft,
     offline_accept_length,
+    replay_cycles,
+    replay_shapes,
     score_sample,
     summarize,
 )
@@ -120,6 +123,52 @@ def test_simulation_on_regenerated_data_matches_every_live_cycle(spec_tiny):
     assert res.accept_length_cycles == pytest.approx(1 + sum(walked) / len(walked))
     bf16 = offline_accept_length(make_store(runner, seqs, plens), draft, head, num_steps=3, heldout_fraction=1.0)
     assert bf16.target_agreement > 0.95 and abs(bf16.accept_length - res.accept_length) < 0.1  # the store's dtype
+
+
+def test_replay_of_a_chain_is_the_cycle_walk(spec_tiny):
+    """Replaying the live proposer cycle by cycle (any shape) gives, for a chain, exactly the batched
+    simulation's cycle walk on the target's own greedy answers."""
+    runner, _, fitted, seqs, plens = spec_tiny
+    draft = fp32_draft(runner, fitted)
+    head = runner.model.lm_head.weight.float()
+    store = make_store(runner, seqs, plens, exact=True)
+    fd = FastDrafter(draft)
+    walked = replayed = 0
+    for sample in store.samples:
+        cycles = replay_cycles(lambda: Eagle3Proposer(fd, SpecShape(depth=3)), sample, 3)
+        assert cycles == score_sample(draft, head, sample, 3).cycles, sample.sample_id
+        walked, replayed = walked + len(cycles), replayed + sum(cycles)
+    assert walked > 100 and replayed > walked  # more than one accepted draft a cycle: a real comparison
+    res = replay_shapes(store, draft, range(len(seqs)), [SpecShape(depth=3)])["chain3"]
+    assert res.cycles == walked and res.accept_length_cycles == pytest.approx(1 + replayed / walked)
+
+
+def test_replayed_tree_equals_the_live_tree_decoder(spec_tiny):
+    """A tree (EAGLE-2, topk 2) replayed on the captured answers accepts what the live tree decoder accepts on
+    the same prompts, cycle by cycle, and beats the chain of the same depth."""
+    runner, _, fitted, seqs, plens = spec_tiny
+    shape = SpecShape(depth=3, topk=2, draft_tokens=5)
+    draft = fp32_draft(runner, fitted)
+    store = make_store(runner, seqs, plens, exact=True)
+    dec = load_spec_decoder(runner, fitted, shape=shape)
+    fd = FastDrafter(draft)
+    compared = 0
+    for sample, s, n in zip(store.samples, seqs, plens, strict=True):
+        out = dec.generate(s[:n], max_new_tokens=len(s) - n, ignore_eos=True)
+        assert out.output_ids == s[n:]
+        cycles = replay_cycles(lambda: Eagle3Proposer(fd, shape), sample, shape.depth)
+        full = [a for a, d in zip(out.accepted, out.drafted, strict=True) if d == shape.depth]
+        assert cycles[: len(full)] == full, sample.sample_id  # (the decoder drafts less at its token budget)
+        compared += len(full)
+    assert compared > 100
+    res = replay_shapes(store, draft, range(len(seqs)), [shape, SpecShape(depth=3)])
+    assert res[shape.name].accept_length_cycles > res["chain3"].accept_length_cycles
+
+
+def test_replay_turns_and_refusals():
+    assert answer_turns([False, True, True, False, False, True]) == [(1, 2), (5, 5)]
+    assert answer_turns([True, True, False, True]) == [(3, 3)]  # a run at token 0 has no prompt before it
+    assert answer_turns([False, False]) == []
 
 
 def test_off_policy_answers_are_censored_not_counted_as_failures(spec_tiny):
