@@ -198,7 +198,7 @@ def latest_checkpoint_sha(run_dir: str) -> str | None:
 
 def bench_key(config: BenchConfig) -> str:
     weights = Path(config.draft) / "model.safetensors"
-    # the shape it runs: without shape flags that is the measured default of the day (cpu_shape.json, SpecConfig)
+    # the shape it runs: without shape flags that is the measured default of the day (cpu_shape.json, SGLANG_BEST)
     return digest({"config": config.model_dump(mode="json"), "shape": config.spec_shape.name,
                    "draft": sha256_file(weights) if weights.is_file() else None})
 

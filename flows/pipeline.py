@@ -127,12 +127,12 @@ def _export_stage(plan: PipelinePlan, book: StageBook, log) -> ExportOutput:
     def compute() -> ExportOutput:
         files = {}
         for fmt, d in plan.export_dirs.items():
-            folder = export_or_cached(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.spec.num_steps)
+            folder = export_or_cached(plan.train.out_dir, d, fmt, plan.export_dtype, plan.bench.chain_depth)
             files[folder] = sha256_file(Path(folder) / "model.safetensors")
         return ExportOutput(dirs=plan.export_dirs, files=files)
 
     key = digest({"ckpt": latest_checkpoint_sha(plan.train.out_dir), "dirs": plan.export_dirs,
-                      "dtype": plan.export_dtype, "steps": plan.bench.spec.num_steps})
+                      "dtype": plan.export_dtype, "steps": plan.bench.chain_depth})
     return _staged(book, "export", key, log, f"{', '.join(plan.export_dirs.values())} up to date", compute)
 
 

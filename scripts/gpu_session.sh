@@ -322,6 +322,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
   for name in $drafters; do
     [ "$name" != none ] || continue
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
+    case "${SETS:-all}" in all|mt-bench) ;; *) echo "SETS must be all or mt-bench, got '$SETS'" >&2; exit 2 ;; esac
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder

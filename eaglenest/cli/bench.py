@@ -184,8 +184,8 @@ def offline(
     """Simulated accept length of a drafter: on a store's held-out split, or calibrated on prompt sets."""
     from eaglenest.speculative.bench import model_path, offline_step
 
-    # the store's estimate uses the default depth (SpecConfig.num_steps) unless --steps says another
-    cfg = params if params.num_steps is not None else params.model_copy(update={"num_steps": params.spec.num_steps})
+    # the store's estimate uses the default chain depth (SpecConfig.num_steps) unless --steps says another
+    cfg = params if params.num_steps is not None else params.model_copy(update={"num_steps": params.chain_depth})
     if prompt_set or prompts_file:
         from eaglenest.speculative.tree import SpecShape
 

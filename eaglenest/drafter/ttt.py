@@ -296,7 +296,8 @@ def cycle_walk(loss_mask: Sequence[bool], accepted: Sequence[int]) -> list[int]:
     token the end of turn or the length cap); ``accepted`` [T]: accepted drafts of the chain whose root
     is token ``t + 1`` (anchor t). A turn's first token comes from the prefill; a cycle rooted at token
     r accepts ``a`` drafts (never past the turn's last token e) and the next root is ``r + a + 1``; a
-    root at e is never drafted from (the request has ended).
+    root at e is never drafted from (the request has ended). Turns are :func:`answer_turns` (a run of answer
+    tokens at token 0 has no prompt and is left out).
     """
     out: list[int] = []
     for s, e in answer_turns(loss_mask):

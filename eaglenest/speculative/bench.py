@@ -125,6 +125,12 @@ class BenchConfig(BaseModel):
         steps = {} if self.num_steps is None else {"num_steps": self.num_steps}
         return SpecConfig(**steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
 
+    @property
+    def chain_depth(self) -> int:
+        """The depth of a chain where only a chain will do (the speculators export's speculative tokens, the store
+        simulation's default): num_steps when given, else SpecConfig's default (the measured best chain)."""
+        return self.num_steps if self.num_steps is not None else SpecConfig().num_steps
+
     def _sglang_flags_given(self) -> bool:
         return self.num_steps is not None or self.topk != 1 or self.num_draft_tokens is not None
 
@@ -257,11 +263,28 @@ def offline_step(cfg: BenchConfig) -> dict[str, Any] | None:
                                 aux_layer_ids=getattr(prov, "aux_layer_ids", None)).to_json()
     if shape.is_chain:
         return res
-    # a tree: its own acceptance, replayed on the same samples (the chain of its depth stays beside it)
-    idx = heldout_indices(store, cfg.heldout_fraction, cfg.offline_max_samples)
-    tree = replay_shapes(store, draft, idx, [shape])[shape.name]
-    return {**res, "shape": shape.name, "chain_accept_length_cycles": res["accept_length_cycles"],
-            "accept_length_cycles": tree.accept_length_cycles, "cycles": tree.cycles}
+    if res["target_agreement"] < TREE_REPLAY_MIN_AGREEMENT:  # the data would play a verify the target does not
+        return {**res, "note": f"{shape.name} not replayed: the store's answers are the target's greedy choice at "
+                               f"{res['target_agreement']:.3f} of their tokens (a replay needs the target's own "
+                               "answers: the regeneration recipe); the chain of its depth stands in"}
+    idx = heldout_indices(store, cfg.heldout_fraction, min(cfg.offline_max_samples or TREE_REPLAY_SAMPLES,
+                                                           TREE_REPLAY_SAMPLES))
+    return with_tree(res, replay_shapes(store, draft, idx, [shape])[shape.name])
+
+
+TREE_REPLAY_MIN_AGREEMENT = 0.98
+"""A tree is replayed only on answers the target wrote greedily (the data plays the verify)."""
+TREE_REPLAY_SAMPLES = 64
+"""Held-out samples a tree is replayed on (one proposer call per cycle on the CPU, before the live servers start)."""
+
+
+def with_tree(chain: dict[str, Any], tree) -> dict[str, Any]:
+    """An offline result for a tree: its replay is the estimate (``accept_length_cycles``, comparable with live);
+    the chain of its depth, simulated on the same prompts, goes under ``chain``."""
+    keep = ("source", "prompt_set", "samples", "target_agreement", "sample_ids", "calibration_dir")
+    return {**{k: chain[k] for k in keep if k in chain}, "shape": tree.shape,
+            "accept_length_cycles": tree.accept_length_cycles, "accept_length": None, "cycles": tree.cycles,
+            "replay_samples": tree.samples, "chain": chain}
 
 
 def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
@@ -281,11 +304,13 @@ def _offline_on_prompts(cfg: BenchConfig) -> dict[str, Any]:
            "cycles": at["cycles"], "target_agreement": one.target_agreement,
            "by_depth": {str(d): v["accept_length_cycles"] for d, v in one.by_depth.items()},
            "calibration_dir": str(work)}
-    if not shape.is_chain:  # a tree: its replay is the estimate; the chain of its depth stays beside it
-        tree = one.by_shape[shape.name]
-        out.update(shape=shape.name, chain_accept_length_cycles=out["accept_length_cycles"],
-                   accept_length_cycles=tree["accept_length_cycles"], cycles=tree["cycles"])
-    return out
+    if shape.is_chain:
+        return out
+    from eaglenest.speculative.offline import ReplayResult
+
+    tree = one.by_shape[shape.name]
+    return with_tree(out, ReplayResult(shape=shape.name, samples=one.samples, cycles=tree["cycles"],
+                                       accept_length_cycles=tree["accept_length_cycles"]))
 
 
 def _spec_json(cfg: BenchConfig) -> dict[str, Any]:

@@ -218,19 +218,28 @@ def _shape_name(num_steps: int, topk: Any, draft_tokens: Any) -> str:
     return SpecConfig(num_steps=num_steps, topk=int(topk or 1), num_draft_tokens=tokens).shape.name
 
 
+def _flag(cmd: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` in a command line (``--x V`` or ``--x=V``), or None."""
+    for i, a in enumerate(cmd):
+        if a == name and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
     """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
     (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency;
     a grid of trees says ``topk`` in its rows or, in grids written before rows carried it, in its command)."""
     if "rows" in report_json:
-        cmd = [str(x) for x in report_json.get("command") or []]
-        grid_topk = cmd[cmd.index("--topk") + 1] if "--topk" in cmd[:-1] else 1
+        grid_topk = _flag([str(x) for x in report_json.get("command") or []], "--topk") or 1
         return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
                            concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path,
                            shape=_shape_name(int(r["steps"]), r.get("topk", grid_topk), r.get("draft_tokens")))
                 for r in report_json["rows"] if r.get("accept_length") is not None]
-    spec = report_json.get("spec") or {}
-    shape = _shape_name(int(spec["num_steps"]), spec.get("topk", 1), spec.get("num_draft_tokens"))
+    spec = report_json.get("spec") or {}  # an embedded report names its shape (chain4p0.35, tree3x2n6q4)
+    shape = spec.get("shape") or _shape_name(int(spec["num_steps"]), spec.get("topk", 1), spec.get("num_draft_tokens"))
     return [LiveAccept(prompt_set=str(report_json["prompt_set"]), num_steps=int(spec["num_steps"]),
                        concurrency=int(lv["concurrency"]), accept_length=float(lv["accept_length"]), report=path,
                        shape=shape)
@@ -259,8 +268,8 @@ def side_by_side(sets: Sequence[SetOffline], live: Sequence[LiveAccept]) -> list
     rows = []
     for lv in live:
         s = by_name.get(lv.prompt_set)
-        tree = bool(lv.shape) and not lv.shape.startswith("chain")
-        off = (s.by_shape.get(lv.shape) if tree else s.by_depth.get(lv.num_steps)) if s else None
+        plain_chain = not lv.shape or SpecShape.parse(lv.shape) == SpecShape(depth=lv.num_steps)
+        off = (s.by_depth.get(lv.num_steps) if plain_chain else s.by_shape.get(lv.shape)) if s else None
         est = off["accept_length_cycles"] if off else None
         rows.append({"prompt_set": lv.prompt_set, "depth": lv.num_steps, "shape": lv.shape or f"chain{lv.num_steps}",
                      "concurrency": lv.concurrency, "offline": est,
@@ -329,9 +338,14 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
     dr, head = load_offline_draft(model_dir, draft)
     dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)
-    sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
-                                answer_cap=settings.max_new_tokens, shapes=shapes)
     live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]
+    # every shape live ran that is not a plain chain is replayed too (a chain's depths are simulated anyway)
+    wanted = {s.name: s for s in shapes}
+    for lv in live:
+        if lv.shape and SpecShape.parse(lv.shape) != SpecShape(depth=lv.num_steps):
+            wanted.setdefault(lv.shape, SpecShape.parse(lv.shape))
+    sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
+                                answer_cap=settings.max_new_tokens, shapes=list(wanted.values()))
     sources = read_prompt_source(source)
     counts = {k: ext_report.get(k) for k in ("samples", "done", "pending", "skipped", "bad_records")}
     counts["argmax_agreement"] = (ext_report.get("run") or {}).get("argmax_agreement")

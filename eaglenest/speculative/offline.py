@@ -27,6 +27,7 @@ cycle instead of one batched forward per step, so slower than the chain simulati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -341,7 +342,9 @@ def replay_shapes(store: StoreLike, draft: Eagle3Drafter, indices: Sequence[int]
         if shape.quant not in fast:
             fast[shape.quant] = FastDrafter(draft, quant=shape.quant)
         fd = fast[shape.quant]
-        with amx():  # the embedded decoder's own setting (kernels.amx): a tree's rows cost what one row does
+        # a bf16 drafter runs the embedded decoder's kernels, on AMX where the CPU has it (a tree's rows cost what one
+        # row does); an fp32 one (load_offline_draft's default) plain torch
+        with amx() if fd.dtype == torch.bfloat16 else contextlib.nullcontext():
             cycles = [a for i in indices for a in replay_cycles(lambda fd=fd, sh=shape: Eagle3Proposer(fd, sh),
                                                                 store[i], shape.depth)]
         out[shape.name] = ReplayResult(shape=shape.name, samples=len(indices), cycles=len(cycles),

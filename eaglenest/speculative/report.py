@@ -112,9 +112,11 @@ def markdown_table(r: BenchReport) -> str:
     if r.offline:
         where = ("the target's greedy answers to these prompts" if r.offline.get("source") == "prompts"
                  else "store simulation, held-out samples")
+        how = (f"{r.offline['shape']} replayed cycle by cycle; the chain of its depth "
+               f"{_f((r.offline.get('chain') or {}).get('accept_length_cycles'), '.2f')}" if r.offline.get("shape")
+               else f"per start {_f(r.offline.get('accept_length'), '.2f')}")
         lines.append(f"Offline ({where}, {r.offline.get('samples')} samples): accept length per verify cycle "
-                     f"{_f(offline_estimate(r.offline), '.2f')} "
-                     f"(per start {_f(r.offline.get('accept_length'), '.2f')}).")
+                     f"{_f(offline_estimate(r.offline), '.2f')} ({how}).")
     if r.calibration:
         lines.append(f"Calibration: offline / live = {_f(r.calibration.get('ratio'), '.2f')} "
                      f"(offline {_f(r.calibration.get('offline_accept_length'), '.2f')}, live "

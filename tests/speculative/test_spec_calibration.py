@@ -10,7 +10,6 @@ from spec_support import one_thread
 
 from eaglenest.speculative import calibration as C
 from eaglenest.speculative.prompts import Prompt, PromptSet
-from eaglenest.speculative.tree import SpecShape
 
 
 def prompt_sets() -> list[PromptSet]:
@@ -54,6 +53,10 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
                    "eagle3": {"levels": [{"concurrency": 1, "accept_length": 2.0},
                                          {"concurrency": 16, "accept_length": None}]}}
     (tmp_path / "report.json").write_text(json.dumps(live_report))
+    tree_grid = {"command": ["gpu_bench_grid.py", "--steps", "3", "--topk=2", "--draft-tokens", "6"],
+                 "rows": [{"prompt_set": "mt-bench", "steps": 3, "draft_tokens": 6, "concurrency": 1,
+                           "accept_length": 2.5}]}
+    (tmp_path / "tree.json").write_text(json.dumps(tree_grid))
     settings = C.CaptureSettings(model=str(tiny_model_dir), server_urls=[url], max_new_tokens=40, dtype="float32",
                                  answer_max_new_tokens=400,
                                  batch_size=8, concurrency=4)
@@ -63,8 +66,8 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     with one_thread():  # a drafter that knows these answers (the point is the estimate, not the drafter)
         fit_drafter(runner, fitted, [store[i].input_ids.tolist() for i in range(len(store))])
         rep = C.calibrate_on_prompts(source=source, draft=fitted, settings=settings, work_dir=work,
-                                     live_reports=[tmp_path / "report.json"], depths=(1, 2, 3),
-                                     shapes=[SpecShape(depth=3, topk=2, draft_tokens=5)])
+                                     live_reports=[tmp_path / "report.json", tmp_path / "tree.json"],
+                                     depths=(1, 2, 3))  # the tree live ran is replayed without being asked
     by_set = {s.prompt_set: s for s in rep.sets}
     assert {k: v.samples for k, v in by_set.items()} == {"mt-bench": 4, "humaneval": 2}
     mt = by_set["mt-bench"]
@@ -73,9 +76,12 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     assert mt.target_agreement > 0.95
     al = [mt.by_depth[d]["accept_length_cycles"] for d in (1, 2, 3)]
     assert al == sorted(al) and 1.5 <= al[2] <= 4.0
-    assert mt.by_shape["tree3x2n5"]["accept_length_cycles"] >= al[2] - 0.05  # a tree replayed beside the chains
-    assert [r["concurrency"] for r in rep.rows] == [1]  # a level without an accept length is not a row
+    tree = mt.by_shape["tree3x2n5"]["accept_length_cycles"]
+    assert tree >= al[2] - 0.05  # a tree replayed beside the chains
+    # a level without an accept length is not a row
+    assert [(r["shape"], r["concurrency"]) for r in rep.rows] == [("chain3", 1), ("tree3x2n5", 1)]
     assert rep.rows[0]["ratio"] == pytest.approx(mt.by_depth[3]["accept_length_cycles"] / 2.0)
+    assert rep.rows[1]["offline"] == tree
     out = C.write_calibration(rep, tmp_path / "out")
     assert json.loads(out.read_text())["rows"][0]["prompt_set"] == "mt-bench"
     assert "| mt-bench | chain3 | 1 |" in (tmp_path / "out" / "calibration.md").read_text()
@@ -105,6 +111,11 @@ def test_a_live_tree_pairs_with_its_replay_not_with_the_chain_of_its_depth():
     assert rows[0]["ratio"] == pytest.approx(3.5 / 3.7)
     md = C.markdown(C.CalibrationReport(model="m", draft="d", capture={}, sets=sets, rows=rows))
     assert "| mt-bench | 3.50 |" in md and "| mt-bench | tree6x4n15 | 1 | 3.50 | - | 3.70 | 0.95 |" in md
+    embedded = {"prompt_set": "mt-bench", "spec": {"num_steps": 4, "topk": 1, "num_draft_tokens": 5,
+                                                   "shape": "chain4p0.35"},
+                "eagle3": {"levels": [{"concurrency": 1, "accept_length": 2.2}]}}
+    (row,) = C.side_by_side(sets, C.live_accepts(embedded))  # a confidence-stopped chain is not chain4: no guess
+    assert row["shape"] == "chain4p0.35" and row["offline"] is None
     with pytest.raises(ValueError, match="num_draft_tokens"):  # a shape SGLang would refuse is not guessed at
         C.live_accepts({"prompt_set": "x", "spec": {"num_steps": 2, "topk": 2, "num_draft_tokens": 9},
                         "eagle3": {"levels": []}})

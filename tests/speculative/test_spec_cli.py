@@ -92,6 +92,18 @@ def test_bench_offline_shapes_are_replayed_on_prompt_sets_only():
     assert res.exit_code != 0 and "treeDxKnN" in res.output
 
 
+def test_a_tree_estimate_is_its_replay_with_the_chain_beside_it():
+    from eaglenest.speculative.bench import with_tree
+    from eaglenest.speculative.offline import ReplayResult
+    from eaglenest.speculative.report import offline_estimate
+
+    chain = {"samples": 8, "num_steps": 6, "accept_length": 3.0, "accept_length_cycles": 2.8, "cycles": 90,
+             "target_agreement": 1.0, "sample_ids": ["a", "b"], "conditional_at": [0.9]}
+    out = with_tree(chain, ReplayResult(shape="tree6x4n15", samples=8, cycles=60, accept_length_cycles=3.6))
+    assert offline_estimate(out) == 3.6 and out["accept_length"] is None and out["chain"] == chain
+    assert out["sample_ids"] == ["a", "b"] and "conditional_at" not in out and out["shape"] == "tree6x4n15"
+
+
 def test_bench_offline_on_prompts_refuses_a_token_file():
     import pytest
 

@@ -139,6 +139,14 @@ def test_replay_of_a_chain_is_the_cycle_walk(spec_tiny):
         assert cycles == score_sample(draft, head, sample, 3).cycles, sample.sample_id
         walked, replayed = walked + len(cycles), replayed + sum(cycles)
     assert walked > 100 and replayed > walked  # more than one accepted draft a cycle: a real comparison
+    # two answer turns in one sample (a fresh proposer per turn, the first answer inside the second's prompt)
+    s, n = seqs[0], plens[0]
+    two = FakeSample("two", store.samples[0].input_ids, torch.tensor([i >= n and not n + 12 <= i < n + 16
+                                                                      for i in range(len(s))]),
+                     store.samples[0].aux_hidden, store.samples[0].final_hidden)
+    assert answer_turns(two.loss_mask.tolist()) == [(n, n + 11), (n + 16, len(s) - 1)]
+    cycles = replay_cycles(lambda: Eagle3Proposer(fd, SpecShape(depth=3)), two, 3)
+    assert cycles == score_sample(draft, head, two, 3).cycles and len(cycles) > 6
     res = replay_shapes(store, draft, range(len(seqs)), [SpecShape(depth=3)])["chain3"]
     assert res.cycles == walked and res.accept_length_cycles == pytest.approx(1 + replayed / walked)
 
@@ -154,12 +162,17 @@ def test_replayed_tree_equals_the_live_tree_decoder(spec_tiny):
     fd = FastDrafter(draft)
     compared = 0
     for sample, s, n in zip(store.samples, seqs, plens, strict=True):
-        out = dec.generate(s[:n], max_new_tokens=len(s) - n, ignore_eos=True)
+        budget = len(s) - n
+        out = dec.generate(s[:n], max_new_tokens=budget, ignore_eos=True)
         assert out.output_ids == s[n:]
         cycles = replay_cycles(lambda: Eagle3Proposer(fd, shape), sample, shape.depth)
-        full = [a for a, d in zip(out.accepted, out.drafted, strict=True) if d == shape.depth]
-        assert cycles[: len(full)] == full, sample.sample_id  # (the decoder drafts less at its token budget)
-        compared += len(full)
+        full, done = 0, 1  # cycles drafted at full depth: before the decoder's token budget cuts its depth
+        for a in out.accepted:
+            if min(shape.depth, budget - done - 1) < shape.depth:
+                break
+            full, done = full + 1, done + a + 1
+        assert cycles[:full] == list(out.accepted[:full]), sample.sample_id
+        compared += full
     assert compared > 100
     res = replay_shapes(store, draft, range(len(seqs)), [shape, SpecShape(depth=3)])
     assert res[shape.name].accept_length_cycles > res["chain3"].accept_length_cycles
