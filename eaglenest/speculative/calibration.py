@@ -210,6 +210,13 @@ class LiveAccept:
     shape: str = ""
     """The speculation's shape name (``chain3``, ``tree6x4n15``: SGLang's 16 draft tokens less the root)."""
 
+    @property
+    def replayed(self) -> SpecShape | None:
+        """The shape whose offline estimate is a replay (a tree, a confidence-stopped or quantized chain); None for a
+        plain chain, which the simulation scores by its depth."""
+        shape = SpecShape.parse(self.shape) if self.shape else None
+        return None if shape is None or shape == SpecShape(depth=self.num_steps) else shape
+
 
 def _shape_name(num_steps: int, topk: Any, draft_tokens: Any) -> str:
     from eaglenest.speculative.serve import SpecConfig
@@ -268,8 +275,7 @@ def side_by_side(sets: Sequence[SetOffline], live: Sequence[LiveAccept]) -> list
     rows = []
     for lv in live:
         s = by_name.get(lv.prompt_set)
-        plain_chain = not lv.shape or SpecShape.parse(lv.shape) == SpecShape(depth=lv.num_steps)
-        off = (s.by_depth.get(lv.num_steps) if plain_chain else s.by_shape.get(lv.shape)) if s else None
+        off = (s.by_depth.get(lv.num_steps) if lv.replayed is None else s.by_shape.get(lv.shape)) if s else None
         est = off["accept_length_cycles"] if off else None
         rows.append({"prompt_set": lv.prompt_set, "depth": lv.num_steps, "shape": lv.shape or f"chain{lv.num_steps}",
                      "concurrency": lv.concurrency, "offline": est,
@@ -342,8 +348,8 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
     # every shape live ran that is not a plain chain is replayed too (a chain's depths are simulated anyway)
     wanted = {s.name: s for s in shapes}
     for lv in live:
-        if lv.shape and SpecShape.parse(lv.shape) != SpecShape(depth=lv.num_steps):
-            wanted.setdefault(lv.shape, SpecShape.parse(lv.shape))
+        if lv.replayed is not None:
+            wanted.setdefault(lv.shape, lv.replayed)
     sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
                                 answer_cap=settings.max_new_tokens, shapes=list(wanted.values()))
     sources = read_prompt_source(source)

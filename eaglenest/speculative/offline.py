@@ -207,6 +207,11 @@ class OfflineResult:
         return asdict(self)
 
 
+def per_cycle(accepted: Sequence[int]) -> float:
+    """Accept length per verify cycle (bonus counted) of cycles that accepted ``accepted`` drafts; NaN for none."""
+    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
+
+
 def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequence[str]) -> OfflineResult:
     accepted, censored, cycles, agree, loss = [], [], [], 0, 0
     for c in chains:
@@ -225,7 +230,7 @@ def summarize(chains: Iterable[SampleChains], num_steps: int, sample_ids: Sequen
                          accept_length_lower=(sum(accepted) + n) / n if n else 0.0, conditional_at=tuple(cond),
                          censored_share=sum(censored) / n if n else 0.0,
                          target_agreement=agree / loss if loss else 0.0, sample_ids=tuple(sample_ids),
-                         accept_length_cycles=(sum(cycles) + len(cycles)) / len(cycles) if cycles else float("nan"),
+                         accept_length_cycles=per_cycle(cycles),
                          cycles=len(cycles))
 
 
@@ -348,7 +353,7 @@ def replay_shapes(store: StoreLike, draft: Eagle3Drafter, indices: Sequence[int]
             cycles = [a for i in indices for a in replay_cycles(lambda fd=fd, sh=shape: Eagle3Proposer(fd, sh),
                                                                 store[i], shape.depth)]
         out[shape.name] = ReplayResult(shape=shape.name, samples=len(indices), cycles=len(cycles),
-                                       accept_length_cycles=1 + sum(cycles) / len(cycles) if cycles else float("nan"))
+                                       accept_length_cycles=per_cycle(cycles))
     return out
 
 
