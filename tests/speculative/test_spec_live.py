@@ -161,24 +161,34 @@ class _StartedElsewhere:
         self.calls.append("stop")
 
 
-def test_one_launch_serves_every_prompt_set(spec_tiny):
+def test_one_launch_serves_every_prompt_set(spec_tiny, monkeypatch):
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.engines.serving import BackgroundServer
+    from eaglenest.speculative import live
 
     runner, _, _, seqs, plens = spec_tiny
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
+    driven = []
+
+    def recorded(*args, **kwargs):
+        driven.append((kwargs["tag"], kwargs["concurrency"], kwargs["num_requests"]))
+        return drive_level(*args, **kwargs)
+
+    monkeypatch.setattr(live, "drive_level", recorded)
     engine = EmbeddedEngine(runner, capture_dir=None)
     try:
         with BackgroundServer(engine) as url:
             server = _StartedElsewhere(url)
-            results = bench_server_sets("baseline", server, {"a": prompts[:2], "b": prompts[2:]}, [1, 2],
-                                        max_new_tokens=6, ignore_eos=True, requests_per_level=3)
+            results = bench_server_sets("baseline", server, {"a": prompts[:2], "b": prompts[2:]}, [2, 1],
+                                        max_new_tokens=6, ignore_eos=True, requests_per_level=3, warmup_requests=1)
     finally:
         engine.close()
     assert server.calls == ["start", "ready", "stop"]
+    # every level warmed once, at its own concurrency with at least that many requests, before anything is measured
+    assert driven == [("warmup", 1, 1), ("warmup", 2, 2)] + [("baseline", c, 3) for c in (2, 1)] * 2
     assert list(results) == ["a", "b"]
     for r in results.values():
-        assert [lv.concurrency for lv in r.levels] == [1, 2]
+        assert [lv.concurrency for lv in r.levels] == [2, 1]
         assert all(lv.requests == 3 and lv.errors == 0 and lv.output_tokens == 18 for lv in r.levels)
 
 
