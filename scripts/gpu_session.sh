@@ -41,7 +41,7 @@
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 80000), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
-# from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; empty: free prompts), DRAFTERS
+# from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
 # (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -248,10 +248,11 @@ prompts)
   # of them, to /tmp/gpu-logs/self.jsonl.xz (SOURCE=self.jsonl.xz for data; `cat` it after another .jsonl.xz to mix
   # them) and to $OUT; evaluation prompts are left out by .gpu/eval-user-texts.json (the sets' packages are not here)
   # STARTER_SET (kinds): openings that spread the prompts over writing, roleplay, reasoning, math, coding,
-  # extraction, STEM and humanities (left free, SmolLM2 writes mostly advice); STARTER_SET= leaves them free
+  # extraction, STEM and humanities (left free, SmolLM2 writes mostly advice); several sets, space-separated, are
+  # taken in turn together ("kinds code": 60 openings, 18 of them code); STARTER_SET= leaves them free
   ensure_model
   mkdir -p /tmp/gpu-logs
-  starters=(); [ -z "${STARTER_SET-kinds}" ] || starters=(--starter-set "${STARTER_SET-kinds}")
+  starters=(); for set in ${STARTER_SET-kinds}; do starters+=(--starter-set "$set"); done
   # SELF_SEED (0): another base seed asks for other prompts (their ids, self-SEED-i, do not meet an earlier pack's)
   run python3 -m eaglenest prompts self --engine sglang --model "$MODEL" --count "${SELF_COUNT:-20000}" --seed "${SELF_SEED:-0}" \
     --concurrency 1024 --out /tmp/gpu-logs/self.jsonl.xz --exclude-file .gpu/eval-user-texts.json "${SGL[@]}" \

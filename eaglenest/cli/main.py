@@ -181,9 +181,9 @@ def prompts_self(
         help="the same from a JSON list of user texts (machines without the evaluation sets' packages)")] = None,
     starter: Annotated[list[str] | None, typer.Option(
         help="an opening of the user's text that the target continues (repeatable; prompts take them in turn)")] = None,
-    starter_set: Annotated[str | None, typer.Option(
-        help="a built-in set of openings: 'kinds' (writing, roleplay, reasoning, math, coding, extraction, STEM, "
-             "humanities), added to --starter")] = None,
+    starter_set: Annotated[list[str] | None, typer.Option(
+        help="a built-in set of openings, added to --starter (repeatable): 'kinds' (writing, roleplay, reasoning, "
+             "math, coding, extraction, STEM, humanities), 'code' (functions to complete, scripts, queries)")] = None,
 ) -> None:
     """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
     needs no dataset. The regeneration recipe then lets it answer them. Given --server-url, those servers must
@@ -198,9 +198,10 @@ def prompts_self(
     from eaglenest.models import resolve_model
     from eaglenest.speculative.prompts import user_texts
 
-    if starter_set is not None and starter_set not in STARTER_SETS:
-        raise errors.UsageError(f"--starter-set {starter_set!r}: not a built-in set (have: {', '.join(STARTER_SETS)})")
-    starters = tuple(starter or ()) + (STARTER_SETS[starter_set] if starter_set else ())
+    for name in starter_set or ():
+        if name not in STARTER_SETS:
+            raise errors.UsageError(f"--starter-set {name!r}: not a built-in set (have: {', '.join(STARTER_SETS)})")
+    starters = tuple(starter or ()) + tuple(s for name in starter_set or () for s in STARTER_SETS[name])
     model_dir = resolve_model(model)
     try:
         cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,

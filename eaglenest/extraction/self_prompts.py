@@ -66,9 +66,22 @@ STARTER_SETS: dict[str, tuple[str, ...]] = {
         "Discuss the impact of", "Compare the", "What were the main causes of", "Analyze the themes of", "Who was",
         "How did the",
     ),
+    "code": (
+        # a function for the target to complete: it writes the signature and docstring, then answers with the body
+        "Complete this Python function:\n\n```python\ndef",
+        "Finish the implementation below so that it does what its docstring says.\n\n```python\ndef",
+        "Write the body of this function. Reply with the code only.\n\n```python\ndef",
+        "Implement the function below.\n\n```python\nfrom typing import List\n\n\ndef",
+        "Fill in the missing code:\n\n```python\nclass",
+        "Fix the bug in this Python function:\n\n```python\ndef",
+        "Write a Python function that", "Write a Python class that", "Write pytest unit tests for a function that",
+        "Write a JavaScript function that", "Write a SQL query that", "Write a Bash script that",
+    ),
 }
-"""Named sets of openings (``--starter-set``): ``kinds`` spreads prompts over writing, roleplay, reasoning,
-math, coding, extraction, STEM and humanities, six openings each."""
+"""Named sets of openings (``--starter-set``, repeatable: the sets' openings are taken in turn together): ``kinds``
+spreads prompts over writing, roleplay, reasoning, math, coding, extraction, STEM and humanities, six openings
+each; ``code`` asks for code, half of it a Python function to complete from a header the target writes (the shape
+of a HumanEval request, none of its text), for drafters that lag on code."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

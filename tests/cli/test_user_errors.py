@@ -23,7 +23,7 @@ CASES = {
     "greedy self-prompting": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--temperature", "0"],
                               "temperature must be > 0"),
     "unknown starter set": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--starter-set",
-                             "poems"], "--starter-set 'poems': not a built-in set (have: kinds)"),
+                             "kinds", "--starter-set", "poems"], "--starter-set 'poems': not a built-in set (have: kinds, code)"),
     "opening with a trailing space": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}",
                                        "--starter", "Solve "], "starters must not begin or end with whitespace"),
 }
@@ -77,6 +77,20 @@ def test_pipeline_params_file_missing(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [f"flows.pipeline: error: --params {tmp_path / 'missing.json'}: no such "
                                              "file (give a PipelineParams JSON file, or the JSON itself)"]
+
+
+def test_prompts_self_takes_every_starter_set_named(tiny_model_dir, tmp_path, monkeypatch):
+    """--starter-set is repeatable: the openings are --starter's, then each named set's, in the order given."""
+    from eaglenest.extraction import self_prompts as sp
+
+    seen = []
+    monkeypatch.setattr(sp, "self_prompts", lambda urls, model, cfg, out, **kw: seen.append((urls, cfg)) or {})
+    assert main(["prompts", "self", "--out", str(tmp_path / "p.jsonl"), "--model", str(tiny_model_dir),
+                 "--server-url", "http://127.0.0.1:9", "--starter", "Go on:", "--starter-set", "code",
+                 "--starter-set", "kinds"]) == 0
+    [(urls, cfg)] = seen
+    assert urls == ["http://127.0.0.1:9"]
+    assert cfg.starters == ("Go on:", *sp.STARTER_SETS["code"], *sp.STARTER_SETS["kinds"])
 
 
 def test_prompts_self_launches_an_embedded_server_and_stops_it(tiny_model_dir, tmp_path, monkeypatch):

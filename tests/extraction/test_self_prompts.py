@@ -121,6 +121,32 @@ def test_openings_are_taken_in_turn_and_the_target_writes_the_rest(smol_dir, tmp
     assert len(STARTER_SETS["kinds"]) == 48 and len(set(STARTER_SETS["kinds"])) == 48
 
 
+def test_code_openings_reach_the_target_as_written(smol_dir, tmp_path):
+    """The ``code`` set's openings (newlines and a code fence inside) are sent token for token, and the target's
+    continuation follows the opening's last word: a function header it writes itself."""
+    from eaglenest.extraction.self_prompts import STARTER_SETS
+
+    code = STARTER_SETS["code"]
+    assert len(set(code)) == len(code) == 12 and sum("```python" in s for s in code) == 6
+    enc = ChatEncoder(smol_dir)
+    prefix = user_turn_prefix(enc)
+    sent = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        req = json.loads(request.content)
+        sent[int(req["rid"].rsplit(":", 1)[1])] = req["input_ids"]
+        return httpx.Response(200, json=body(' add(a: int, b: int) -> int:\n    """Sum of a and b."""\n```'))
+
+    cfg = SelfPromptConfig(count=len(code), starters=code)
+    out = tmp_path / "code.jsonl"
+    self_prompts(["http://fake:1"], smol_dir, cfg, out, transport=httpx.MockTransport(handler))
+    for i, ids in sent.items():
+        assert ids[: len(prefix)] == prefix and enc.tokenizer.decode(ids[len(prefix):]) == code[i]
+    texts = {r.id: r.messages[0].content for r in read_records(str(out)).records}
+    assert texts["self-0-0"] == ('Complete this Python function:\n\n```python\ndef add(a: int, b: int) -> int:\n'
+                                 '    """Sum of a and b."""\n```')
+
+
 def test_openings_with_surrounding_space_are_refused():
     with pytest.raises(ValueError, match="whitespace"):
         SelfPromptConfig(count=2, starters=("Solve for x: ",))
