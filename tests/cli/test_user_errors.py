@@ -23,7 +23,8 @@ CASES = {
     "greedy self-prompting": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--temperature", "0"],
                               "temperature must be > 0"),
     "unknown starter set": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--starter-set",
-                             "kinds", "--starter-set", "poems"], "--starter-set 'poems': not a built-in set (have: kinds, code)"),
+                             "kinds", "--starter-set", "poems"],
+                            "--starter-set 'poems': not a built-in set (have: kinds, code)"),
     "opening with a trailing space": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}",
                                        "--starter", "Solve "], "starters must not begin or end with whitespace"),
 }
