@@ -212,6 +212,10 @@ def test_gate_reports_the_cycle_cost_in_baseline_steps():
     g = gate(report([level(1, 100)], [level(1, 66, 1.92)]), target_concurrency=1)
     assert g.cycle_cost_steps == pytest.approx(1.92 / 0.66)
     assert "one cycle costs 2.91 baseline steps" in g.message and "break-even accept length is 2.91" in g.message
+    # 100 tok/s at concurrency 1: a baseline step takes 10 ms, so the cycle took 29.09 ms
+    assert "(29.09 ms against 10.00 ms)" in g.message
+    g16 = gate(report([level(16, 1600)], [level(16, 800, 2.0)]), target_concurrency=16)
+    assert "one cycle costs 4.00 baseline steps (40.00 ms against 10.00 ms)" in g16.message
 
 
 def test_gate_refuses_a_speedup_the_accept_length_cannot_explain(tmp_path):
