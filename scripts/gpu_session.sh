@@ -23,12 +23,13 @@
 #
 #   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
 #                                             prompts`)
-# The recipe that made the best drafter (v32e, results/2026-12-03e-h200: 1,752 of 1,800 device seconds): fresh prompts
-# the target writes (prompts, SELF_SEED not used before: 16K asked in 252 s) answered and captured beside replayed
-# answers of an earlier pack (data: `cat /tmp/gpu-logs/self.jsonl.xz /tmp/gpu-logs/mix3.jsonl.xz >
-# /tmp/gpu-logs/mix4.jsonl.xz && SOURCE=mix4.jsonl.xz LIMIT=<kept + 8000> ANSWERS_FROM=mix3-t1-l30000`, 392 s), the
-# last drafter continued on it (train with INIT_FROM's grid, 318 s), then bench at STEPS=3, 7 and the tree
-# (STEPS=6 TOPK=4 DRAFT_TOKENS=16); each new seed is new data, the next lever once epochs stop paying.
+# The recipe that made the best drafters (v32e, v32f: results/2026-12-03e-h200, 2026-12-03f-h200, about 1,750 of
+# 1,800 device seconds each): fresh prompts the target writes (prompts, SELF_SEED not used before: 16K asked in 230-
+# 252 s) answered and captured beside replayed answers of an earlier pack (data: `cat /tmp/gpu-logs/self.jsonl.xz
+# /tmp/gpu-logs/mix3.jsonl.xz > /tmp/gpu-logs/mix5.jsonl.xz && SOURCE=mix5.jsonl.xz LIMIT=<kept + 8000>
+# ANSWERS_FROM=mix3-t1-l30000`, 392 s), the last drafter continued on it (train with INIT_FROM's grid, 300-318 s),
+# then bench at STEPS=3, 7 and the tree (STEPS=6 TOPK=4 DRAFT_TOKENS=16); each new seed is new data (seeds 1 and 2
+# used), the lever once epochs stop paying; STARTER_SET="kinds code" weighs code up for HumanEval, the set that lags.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
