@@ -74,8 +74,8 @@ STARTER_SETS: dict[str, tuple[str, ...]] = {
         "Implement the function below.\n\n```python\nfrom typing import List\n\n\ndef",
         "Fill in the missing code:\n\n```python\nclass",
         "Fix the bug in this Python function:\n\n```python\ndef",
-        "Write a Python function that", "Write a Python class that", "Write pytest unit tests for a function that",
-        "Write a JavaScript function that", "Write a SQL query that", "Write a Bash script that",
+        "Write a Python script that", "Write a Python class that", "Write pytest unit tests for a function that",
+        "Write a JavaScript function that", "Write a regular expression that", "Write a Bash script that",
     ),
 }
 """Named sets of openings (``--starter-set``, repeatable: the sets' openings are taken in turn together): ``kinds``
