@@ -272,6 +272,30 @@ def test_reads_the_drafter_packages_sglang_export(spec_tiny, tmp_path, tiny_mode
         check_export_matches(out, other)
 
 
+def test_outputs_are_judged_against_the_plain_greedy_of_their_own_kernels():
+    """bf16 on AMX rounds differently from AVX-512: the fastest plain (here AVX-512) may write other tokens than
+    the plain run on the decoder's own kernels. The mismatch is the closest plain's, named; all are kept."""
+    from eaglenest.speculative.cpu_bench import MethodTotals, SideBySide
+
+    def totals(method, policy, outputs, decode_s):
+        spec = method == "eagle3"
+        return MethodTotals(method=method, policy=policy, tokens=6, decode_s=decode_s, cycles=4, outputs=outputs,
+                            accepted=[1] * 4 if spec else [], drafted=[3] * 4 if spec else [])
+
+    avx, on_amx = [[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 5, 6]]
+    res = SideBySide(model="m", draft="d", dtype="bfloat16", prompts=2, rounds=1, max_new_tokens=3, totals=[
+        totals("plain", "prefill-only", avx, 1.0), totals("plain", "prefill-only/amx", on_amx, 1.1),
+        totals("eagle3", "prefill+verify", on_amx, 0.5)])
+    eagle = res.best("eagle3")
+    assert res.best("plain").policy == "prefill-only"
+    assert res.mismatch_rates(eagle) == {"prefill-only": 0.5, "prefill-only/amx": 0.0}
+    assert res.closest_plain(eagle) == "prefill-only/amx" and res.mismatch_rate(eagle) == 0.0
+    assert res.to_json()["mismatch_against"] == "prefill-only/amx"
+    assert "on its kernels (prefill-only/amx) 0.0% of prompts" in res.lines()[-1]
+    res.totals[1].outputs = [[7, 7, 7], [4, 5, 6]]  # no plain run agrees: the closest one's rate, ties to the fastest
+    assert res.closest_plain(eagle) == "prefill-only" and res.mismatch_rate(eagle) == 0.5
+
+
 def test_side_by_side_benchmark_accounts_every_variant(spec_tiny, tmp_path):
     from eaglenest.speculative.cpu_bench import run_record, save_measured_shape, side_by_side
     from eaglenest.speculative.kernels import amx_available
