@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eaglenest.engines.pool import LaunchError
-from eaglenest.engines.sglang_guards import split_flags
+from eaglenest.engines.sglang_guards import flag_value, split_flags
 
 
 def sglang_flags(
@@ -99,13 +99,8 @@ class SglangPlacement:
         return kept + [tok for flag, value in ours.items() for tok in (flag, f"{value:g}")]
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    values = [v for f, v in split_flags(args) if f == flag]
-    return values[-1] if values else None
-
-
 def _shared_total(args: Sequence[str]) -> float:
-    given = _flag_value(args, "--mem-fraction-static")
+    given = flag_value(args, "--mem-fraction-static")
     try:
         total = DEFAULT_SHARED_MEM_FRACTION if given is None else float(given)
     except ValueError:
@@ -140,7 +135,7 @@ def sglang_placements(args: Sequence[str], *, num_servers: int, gpus: int) -> li
     if num_servers <= 1:
         return [SglangPlacement()]
     tp = sglang_tp_size(args)
-    user_base = _flag_value(args, "--base-gpu-id")
+    user_base = flag_value(args, "--base-gpu-id")
     if user_base is not None:
         bases = [int(user_base)] if user_base.isdigit() else []
         if not bases:

@@ -53,6 +53,12 @@ def split_flags(args: Sequence[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value ``flag`` is given on a command line (the last one, as argparse takes it), or None."""
+    values = [v for f, v in split_flags(args) if f == flag]
+    return values[-1] if values else None
+
+
 def _int(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None

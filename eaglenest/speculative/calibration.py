@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eaglenest.engines.sglang_guards import flag_value
 from eaglenest.speculative.prompts import PromptSet
 from eaglenest.speculative.tree import SpecShape
 
@@ -225,22 +226,12 @@ def _shape_name(num_steps: int, topk: Any, draft_tokens: Any) -> str:
     return SpecConfig(num_steps=num_steps, topk=int(topk or 1), num_draft_tokens=tokens).shape.name
 
 
-def _flag(cmd: Sequence[str], name: str) -> str | None:
-    """The value of ``name`` in a command line (``--x V`` or ``--x=V``), or None."""
-    for i, a in enumerate(cmd):
-        if a == name and i + 1 < len(cmd):
-            return cmd[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
     """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
     (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency;
     a grid of trees says ``topk`` in its rows or, in grids written before rows carried it, in its command)."""
     if "rows" in report_json:
-        grid_topk = _flag([str(x) for x in report_json.get("command") or []], "--topk") or 1
+        grid_topk = flag_value([str(x) for x in report_json.get("command") or []], "--topk") or 1
         return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
                            concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path,
                            shape=_shape_name(int(r["steps"]), r.get("topk", grid_topk), r.get("draft_tokens")))

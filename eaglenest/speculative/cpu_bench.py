@@ -132,13 +132,12 @@ class SideBySide:
         among themselves in bf16 (AMX and AVX-512 round differently, and greedy decoding drifts from the first
         differing argmax), so a lossless decoder is judged against the plain greedy of its own numerics; the
         fastest plain may not be that one."""
-        rates = self.mismatch_rates(t)
-        return min(rates, key=lambda k: (rates[k], k != self.best("plain").policy))
+        rates, fastest = self.mismatch_rates(t), self.best("plain").policy
+        return min(rates, key=lambda k: (rates[k], k != fastest))
 
     def mismatch_rate(self, t: MethodTotals) -> float:
         """Share of prompts whose output differs from the closest plain variant's (:meth:`closest_plain`)."""
-        rates = self.mismatch_rates(t)
-        return rates[self.closest_plain(t)] if rates else 0.0
+        return min(self.mismatch_rates(t).values(), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
         variants = [{**t.to_json(), "cycle_cost_plain_steps": self.cycle_cost(t),

@@ -245,9 +245,11 @@ def gate(r: BenchReport, *, target_concurrency: int, min_speedup: float = 1.0) -
     cost = cycle_cost_steps(b.output_tok_s, e.output_tok_s, e.accept_length)
     # wall times beside the ratio: the same drafter's speedup moves with the machine (on two H200 machines a
     # cycle took 3.1 and 3.3-4.8 ms, a baseline step 1.5 and 1.3 ms), and the times say which side moved
-    step_ms = 1000.0 * target_concurrency / b.output_tok_s if b.output_tok_s > 0 else None
-    cyc = (f"; one cycle costs {cost:.2f} baseline steps ({cost * step_ms:.2f} ms against {step_ms:.2f} ms), so the "
-           f"break-even accept length is {cost:.2f}" if cost is not None and step_ms is not None else "")
+    cyc = ""
+    if cost is not None:  # both tok/s > 0
+        step_ms = 1000.0 * target_concurrency / b.output_tok_s
+        cyc = (f"; one cycle costs {cost:.2f} baseline steps ({cost * step_ms:.2f} ms against {step_ms:.2f} ms), so "
+               f"the break-even accept length is {cost:.2f}")
     head = (f"EAGLE3 runs at {s:.2f}x the baseline at concurrency {target_concurrency} "
             f"({e.output_tok_s:.1f} vs {b.output_tok_s:.1f} output tok/s, {acc}{cyc}; threshold {min_speedup:.2f}x)")
 
