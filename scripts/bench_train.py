@@ -179,16 +179,21 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
     counts = step_counts(batch.loss_mask, args.k).tolist()
     scales = torch.tensor([0.8**i / c for i, c in enumerate(counts)], device=dev)
 
+    forward = ttt_forward
+    if args.compile:  # torch.compile over the unrolled objective (dynamic shapes: batches differ step to step)
+        forward = torch.compile(ttt_forward, dynamic=True, mode=None if args.compile == "default" else args.compile)
+
     def one_step() -> None:
         with ctx():
             rows = target_rows(batch, head, ids, model.t2d)
-            res = ttt_forward(model, batch, rows, args.k)
+            res = forward(model, batch, rows, args.k)
             loss = (res.loss_sum * scales).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
 
     times = []
+    t_first = time.perf_counter()
     for _ in range(args.repeat + 1):
         sync()
         t0 = time.perf_counter()
@@ -197,7 +202,9 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
         times.append(time.perf_counter() - t0)
     best = min(times[1:])
     print(json.dumps({"device": dev.type, "precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
-                      "step_s": round(best, 4), "tokens_per_s": round(b * t / best)}), flush=True)
+                      "compile": args.compile, "first_step_s": round(times[0], 2), "step_s": round(best, 4),
+                      "tokens_per_s": round(b * t / best), "wall_s": round(time.perf_counter() - t_first, 2)}),
+          flush=True)
     if args.ops:
         print(json.dumps({"precision": precision, "draft_vocab": vd, "k": args.k, **_count_ops(one_step)}), flush=True)
     if args.profile:
@@ -288,6 +295,8 @@ def main() -> None:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--model", default="default")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
+    s.add_argument("--compile", default="", help="torch.compile the TTT forward: default or a mode "
+                   "(reduce-overhead, max-autotune-no-cudagraphs); the first step includes compiling")
     s.add_argument("--profile", type=int, default=0, help="also print the top N ops of one profiled step")
     s.add_argument("--ops", action="store_true", help="also count the aten ops of one more step")
     r = sub.add_parser("read")
