@@ -37,6 +37,12 @@ from eaglenest.data.sources import Message
 from eaglenest.extraction.client import Job
 
 
+class AnswerError(ValueError):
+    """The engine's answer to a generation request cannot be used (no text, or the engine aborted it): a terminal
+    failure of that sample. Other errors while using an answer (a log that cannot be written) are not the engine's
+    and are never reported as this."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RegenConfig:
     temperature: float = 0.0
@@ -149,16 +155,16 @@ class Regenerator:
 
     def answered(self, state: Any, body: dict[str, Any]) -> Outcome:
         """Use the engine's answer to a request of ours (``state`` is its ``Job.payload``); returns the next
-        request, the sample, or a skip. A body without text, or an aborted generation, raises ValueError
+        request, the sample, or a skip. A body without text, or an aborted generation, raises AnswerError
         (a terminal failure of the sample, reported; nothing is persisted for it)."""
         st: _State = state
         if not isinstance(body.get("text"), str):
-            raise ValueError("generation answer has no text")
+            raise AnswerError("generation answer has no text")
         meta = body.get("meta_info") or {}
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
         kind = finish.get("type") if isinstance(finish, dict) else None
         if kind == "abort":  # the engine refused or dropped the request: a failure to report, not an answer
-            raise ValueError(f"generation aborted by the engine: {finish.get('message') or finish}")
+            raise AnswerError(f"generation aborted by the engine: {finish.get('message') or finish}")
         ids = body.get("output_ids")
         if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
             ids = list(ids)

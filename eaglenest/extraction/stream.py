@@ -33,7 +33,7 @@ from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.client import Answer, EngineClient, Failure, Job
 from eaglenest.extraction.connect import RunContext, end_round, round_client
 from eaglenest.extraction.prefill import CAPTURE_LANE, capture_request, check_capture_answer
-from eaglenest.extraction.regenerate import Regenerator, TurnAnswer
+from eaglenest.extraction.regenerate import AnswerError, Regenerator, TurnAnswer
 from eaglenest.extraction.state import (
     ANSWERS,
     REGENERATED,
@@ -226,6 +226,10 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     answers_log = JsonlLog(ext.path(ANSWERS)) if regen else None
     regen_log = JsonlLog(ext.path(REGENERATED)) if regen else None
     regenerator = client = None
+    # set once the round ends, before its logs close: a terminated round waits a bounded time for the client to
+    # unwind (under load it took longer: answers then came in after the logs were closed and were reported as
+    # engine contract failures)
+    stopped = threading.Event()
     # captures have their own lane while the target regenerates. On the H200 with one lane (1,024 in flight,
     # captures first) 300-500 captures were waiting at a time, mostly in flight on the generations' slots, and
     # generation ran at 10.2K tok/s; 18.3K when the captures had waited in the client
@@ -279,6 +283,8 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
                     quarantine(ext.dir, path, sample.sample_id, f.message, "contract")
 
     def on_outcome(o: Answer | Failure) -> list[Job]:
+        if stopped.is_set():  # the round ended (a termination) and its logs are closed: an answer that arrives
+            return []         # while the client unwinds is not used; its sample stays pending for the next run
         if isinstance(o.payload, Sample):  # a capture
             s = o.payload
             live["capturing"] -= 1
@@ -300,7 +306,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
                 before = regenerator.stats.generated_tokens
                 try:
                     out = regenerator.answered(st, o.body)
-                except ValueError as e:
+                except AnswerError as e:
                     failed(st.sample, Failure(o.key, "terminal", "contract", str(e), o.server, o.attempts),
                            "regenerate")
                     out = None
@@ -329,6 +335,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
                 end_round(ctx)
         ok = True
     finally:
+        stopped.set()
         for log in (answers_log, regen_log):
             if log is not None:
                 log.close()

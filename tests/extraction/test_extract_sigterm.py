@@ -182,3 +182,41 @@ def test_cli_sigterm_mid_extraction_exits_143_and_a_rerun_completes(tiny_model_d
     report = json.loads(again.stdout[again.stdout.index("{"):])
     assert report["complete"] and report["done"] == report["samples"] > first
     assert not kept & set(rids[first:])  # nothing validated before is asked for again
+
+
+def test_an_answer_that_arrives_after_a_terminated_round_ends_is_not_used_nor_reported(tiny_extract_params,
+                                                                                      capture_servers, tmp_path,
+                                                                                      monkeypatch):
+    """Under load the client can still hand over answers after the termination's bounded unwind, when the round's
+    logs are already closed (H200, 2026-12-03: 15 samples reported as engine contract failures, 'I/O operation on
+    closed file.'). Such an answer is not used (its sample stays pending) and is no failure; a real bad answer
+    still is one (AnswerError)."""
+    from eaglenest.extraction.client import Answer
+    from eaglenest.extraction.regenerate import AnswerError, Regenerator
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 4), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8})
+    ext = open_extraction(params)
+    ((url, _),) = capture_servers(ext.capture_dir)
+    late: dict = {}
+
+    async def terminated_at_once(self, jobs, *, check=None, on_outcome=None):
+        late["jobs"], late["on_outcome"] = list(jobs), on_outcome
+        raise Terminated
+
+    used = []
+    answered = Regenerator.answered
+    monkeypatch.setattr(Regenerator, "answered", lambda self, st, body: used.append(st) or answered(self, st, body))
+    monkeypatch.setattr(EngineClient, "run", terminated_at_once)
+    with pytest.raises(Terminated):
+        run_extraction(with_(params, server_urls=[url]))
+    job = next(j for j in late["jobs"] if j.key.startswith("nocapture:regen:"))
+    body = {"text": "late", "output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}}
+    assert late["on_outcome"](Answer(job.key, url, body, 1, 0.1, job.payload)) == []
+    assert used == []  # never handed to the regenerator, so nothing is written to the closed logs
+    report = json.loads((ext.dir / "report.json").read_text())
+    assert report["run"]["failed"] == 0 and report["problems"] == [] and report["pending"] == report["samples"]
+    assert not (ext.dir / "answers.jsonl").read_text()
+
+    with pytest.raises(AnswerError, match="no text"):  # the engine's own bad answers keep their report
+        Regenerator.answered(None, job.payload, {"meta_info": {}})
