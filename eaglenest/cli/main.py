@@ -235,4 +235,6 @@ def prompts_self(
             urls = [stack.enter_context(launched(server, timeout_s=900.0)).url]
         report = self_prompts(urls, model_dir, cfg, out, exclude=exclude,
                               client=ClientConfig(concurrency=concurrency))
-    typer.echo(json.dumps(report, indent=1))
+        # before the launched server is stopped (SGLang's shutdown can take a while; a call killed meanwhile by
+        # its time limit lost the report of prompts already written, H200 2026-12-03)
+        typer.echo(json.dumps(report, indent=1))
