@@ -16,10 +16,11 @@ whose per-round speedups go into matrix.json (speedup_rounds, speedup_median).
 Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
 and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
 cost in baseline steps (the break-even accept length). --speculative-num-draft-tokens counts the root
-token (chain: steps + 1). Writes $OUT/server_baseline.json and $OUT/server_eagle3.json as each finishes,
-then $OUT/report.json, report.md (and PNGs when matplotlib is importable; otherwise run
-``eaglenest bench plot report.json`` here). Prints the table and the gate; exits 1 on a launch failure,
-0 otherwise (the gate verdict is in the output: the integrator reads numbers, not exit codes).
+token (chain: steps + 1). Every measured level is appended to $OUT/levels.jsonl as it finishes (a call cut
+by its time limit keeps them); $OUT/server_baseline.json and $OUT/server_eagle3.json are written as each server
+finishes, matrix.json after each depth, then $OUT/report.json, report.md (and PNGs when matplotlib is
+importable; otherwise run ``eaglenest bench plot report.json`` here). Prints the table and the gate; exits 1 on a
+launch failure, 0 otherwise (the gate verdict is in the output: the integrator reads numbers, not exit codes).
 
 Recipe for SmolLM2-135M on the H200 (see ../shared/device/sglang-0.5.17/README.md; one command may carry
 64 MiB, /tmp survives while the machine stays warm; run these back to back):
@@ -126,9 +127,13 @@ def main() -> int:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
                            prompt_file=files[list(sets).index(name)])
 
-    def show(label: str, lv) -> None:
-        print(f"{label:10s} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s p99 "
-              f"{lv.latency_p99_s:.3f}s accept {lv.accept_length}  errors {lv.errors}", flush=True)
+    def show(label: str, lv, name: str = "") -> None:
+        print(f"{label:10s} {name} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s "
+              f"p99 {lv.latency_p99_s:.3f}s accept {lv.accept_length}  errors {lv.errors}", flush=True)
+        # every level as it finishes: a call cut by its time limit keeps what it measured (the reports and
+        # matrix.json are written only once a server has run every set and level)
+        with (out / "levels.jsonl").open("a") as f:
+            f.write(json.dumps({"server": label, "prompt_set": name, **lv.to_json()}) + "\n")
 
     def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
         """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
@@ -145,7 +150,7 @@ def main() -> int:
             res = bench_servers_together(
                 servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
                 ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
-                progress=show)
+                progress=lambda lab, lv: show(lab, lv))
         except LaunchError as e:
             print(f"together@{k} failed to launch: {e}", flush=True)
             return None
@@ -163,7 +168,7 @@ def main() -> int:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
                 requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
-                pidfile=out / "servers.json", progress=lambda _, lv: show(label, lv))
+                pidfile=out / "servers.json", progress=lambda name, lv: show(label, lv, name))
         except LaunchError as e:
             print(f"{label} failed to launch: {e}", flush=True)
             return None
@@ -215,7 +220,9 @@ def main() -> int:
                                **round_speedups(baseline[name], eagle3[name], c)})
                 if c == a.target_concurrency:
                     print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
-    (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix}, indent=1))
+        # after each depth, so a call cut during the next one keeps the rows of this one
+        (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix},
+                                                    indent=1))
     return 0
 
 
