@@ -3,7 +3,7 @@
     python scripts/gpu_sweep.py --store STORE --target MODEL_DIR [--eval-set mt-bench=/tmp/calib/calibration ...]
         [--grid grid.json | --only base,lr3e-3] [--epochs 2] [--max-minutes 20] [--work /tmp/sweep]
 
-Each config is the base recipe (``eaglenest train --draft-vocab 32000 --max-tokens 16384 --lr 1e-3``, TTT 7,
+Each config is the base recipe (``eaglenest train --draft-vocab 32000 --max-tokens 32768 --lr 1e-3``, TTT 7,
 step-based schedule over --epochs) with a few fields changed: tokens per step (grad_accum), lr, epochs, TTT
 length, draft vocabulary size. ``--grid`` is a JSON object {name: {TrainConfig field: value}} replacing the
 preset grid. Every process evaluates the held-out ShareGPT split and every --eval-set (never trained on; a
@@ -27,7 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
-BASE = {"draft_vocab_size": 32000, "max_tokens": 16384, "max_seq_len": 2048, "lr": 1e-3, "ttt_steps": 7,
+# 32K tokens a step: the H200 step is bound by the host launching its kernels, so it costs what 16K does (0.145 vs
+# 0.151 s, scripts/bench_train.py step); one config trains at 143.6K tok/s, not 108.9K (results/2026-12-04-h200)
+BASE = {"draft_vocab_size": 32000, "max_tokens": 32768, "max_seq_len": 2048, "lr": 1e-3, "ttt_steps": 7,
         "device": "cuda", "save_every": 500, "log_every": 50, "threads": 2}
 PRESET = {
     "base": {},
