@@ -30,6 +30,11 @@
 # ANSWERS_FROM=mix3-t1-l30000`, 392 s), the last drafter continued on it (train with INIT_FROM's grid, 300-318 s),
 # then bench at STEPS=3, 7 and the tree (STEPS=6 TOPK=4 DRAFT_TOKENS=16); each new seed is new data (seeds 1 and 2
 # used), the lever once epochs stop paying; STARTER_SET="kinds code" weighs code up for HumanEval, the set that lags.
+# From nothing in one window (results/2026-12-03g-h200, 2026-12-04-h200; seeds 3 and 4 used): setup x2, prompts
+# (SELF_COUNT=14000, 265-330 s on a cold machine), data (`cat` self.jsonl.xz before .gpu/train-1tc.jsonl.xz, LIMIT=40000
+# STORE=extraction EXTRACT_S=330-360: 14-18K samples, the cold servers ready after 85-208 s), train (a one-config GRID,
+# TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
+# call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
