@@ -127,7 +127,7 @@ def main() -> int:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
                            prompt_file=files[list(sets).index(name)])
 
-    def show(label: str, lv, name: str = "") -> None:
+    def show(label: str, name: str, lv) -> None:
         print(f"{label:10s} {name} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s "
               f"p99 {lv.latency_p99_s:.3f}s accept {lv.accept_length}  errors {lv.errors}", flush=True)
         # every level as it finishes: a call cut by its time limit keeps what it measured (the reports and
@@ -150,7 +150,7 @@ def main() -> int:
             res = bench_servers_together(
                 servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
                 ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
-                progress=lambda lab, lv: show(lab, lv))
+                progress=show)
         except LaunchError as e:
             print(f"together@{k} failed to launch: {e}", flush=True)
             return None
@@ -168,7 +168,7 @@ def main() -> int:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
                 requests_per_level=a.requests_per_level, ready_timeout_s=a.ready_timeout, timeout_s=600.0,
-                pidfile=out / "servers.json", progress=lambda name, lv: show(label, lv, name))
+                pidfile=out / "servers.json", progress=lambda name, lv: show(label, name, lv))
         except LaunchError as e:
             print(f"{label} failed to launch: {e}", flush=True)
             return None

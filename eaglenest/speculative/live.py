@@ -343,12 +343,13 @@ def bench_servers_together(
     servers: Mapping[str, ServerProcess], prompt_sets: Mapping[str, Sequence[list[int]]],
     concurrencies: Sequence[int], *, rounds: int, max_new_tokens: int, ignore_eos: bool = False,
     warmup_requests: int = 4, ready_timeout_s: float = 900.0, timeout_s: float = 600.0,
-    ready: Callable[[str], bool] = probe_ready, progress: Callable[[str, LevelResult], None] | None = None,
+    ready: Callable[[str], bool] = probe_ready, progress: Callable[[str, str, LevelResult], None] | None = None,
     pidfile: Path | None = None,
 ) -> dict[str, dict[str, ServerResult]]:
     """Launch every server (one after another: servers sharing a GPU size their memory from what is free, so each
     needs its ``--mem-fraction-static`` share), warm each, run :func:`run_rounds` on each prompt set, stop them
-    all. Returns name -> prompt set -> ServerResult (its levels pooled over the rounds, ``round_tok_s`` beside)."""
+    all. Returns name -> prompt set -> ServerResult (its levels pooled over the rounds, ``round_tok_s`` beside).
+    ``progress(server, prompt set, level)`` is called as each level finishes."""
     records = ServerRecords(pidfile) if pidfile is not None else None
     results: dict[str, dict[str, ServerResult]] = {n: {} for n in servers}
     with contextlib.ExitStack() as stack:
@@ -363,7 +364,7 @@ def bench_servers_together(
         for set_name, prompts in prompt_sets.items():
             got = run_rounds({n: s.url for n, s in servers.items()}, prompts, concurrencies, rounds=rounds,
                              max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
-                             progress=progress)
+                             progress=(lambda n, lv, s=set_name: progress(n, s, lv)) if progress else None)
             for name, server in servers.items():
                 levels, per_round = got[name]
                 results[name][set_name] = _result(name, server, levels, startup[name], per_round)

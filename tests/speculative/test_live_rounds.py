@@ -73,11 +73,13 @@ def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
     engines = [EmbeddedEngine(runner, capture_dir=None) for _ in range(2)]
     log: list[str] = []
+    reported: list[tuple[str, str, int]] = []
     try:
         with one_thread(), BackgroundServer(engines[0]) as a, BackgroundServer(engines[1]) as b:
             servers = {"baseline": _Started(a, log, "baseline"), "eagle3": _Started(b, log, "eagle3")}
             res = bench_servers_together(servers, {"x": prompts[:2], "y": prompts[2:]}, [1, 2], rounds=2,
-                                         max_new_tokens=5, ignore_eos=True, warmup_requests=1)
+                                         max_new_tokens=5, ignore_eos=True, warmup_requests=1,
+                                         progress=lambda srv, st, lv: reported.append((srv, st, lv.concurrency)))
             base, eagle = live_grid(servers["baseline"], servers["eagle3"], prompts, [1], rounds=2,
                                     max_new_tokens=5, ignore_eos=True, warmup_requests=1, requests_per_level=None)
     finally:
@@ -88,6 +90,8 @@ def test_both_servers_up_together_every_set_in_rounds(spec_tiny):
                    "stop baseline"] * 2
     assert [base.name, eagle.name] == ["baseline", "eagle3"] and len(base.round_tok_s["1"]) == 2
     assert base.levels[0].requests == eagle.levels[0].requests == 4  # 2 per round (its 2 prompts, at least 2c)
+    # each level as it finishes, named by its server and its prompt set
+    assert reported == [(srv, st, c) for st in "xy" for c in (1, 2) for srv in ("baseline", "eagle3")]
     for name in servers:
         assert list(res[name]) == ["x", "y"]
         for r in res[name].values():
