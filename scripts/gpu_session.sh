@@ -289,8 +289,8 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step, at
   # gpu_sweep's tokens a step; 0.68 of the tokens under the loss, as in the 2026-12-04 extraction). That day's
-  # trainer waited 61 ms a step for the device beyond its 145 ms of launching: the device, not the host, set the pace
-  # at 32K tokens (0.206 s a step against bench_train's 0.145 s on 512-token rows)
+  # trainer waited 61 ms a step for the device after 145 ms of its own host work: on real rows the device, not the
+  # host, set the pace at 32K tokens (0.206 s a step against bench_train's 0.145 s on 512-token rows)
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
     --tokens 32768 --seq 512 2048 --vocab 32000 --loss-share 0.68 --precision bf16 --profile 40 \
     > "$R/train-profile.txt" 2>&1 || true

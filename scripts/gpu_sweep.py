@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
-# 32K tokens a step: the H200 step is bound by the host launching its kernels, so it costs what 16K does (0.145 vs
-# 0.151 s, scripts/bench_train.py step); one config trains at 143.6K tok/s, not 108.9K (results/2026-12-04-h200)
+# 32K tokens a step: on scripts/bench_train.py's 512-token rows the H200 step costs what 16K does (0.145 vs 0.151 s:
+# the host's kernel launches set its pace); one config trains at 143.6K tok/s, not 108.9K (results/2026-12-04-h200)
 BASE = {"draft_vocab_size": 32000, "max_tokens": 32768, "max_seq_len": 2048, "lr": 1e-3, "ttt_steps": 7,
         "device": "cuda", "save_every": 500, "log_every": 50, "threads": 2}
 PRESET = {
