@@ -122,6 +122,9 @@ class ExtractParams(BaseModel):
     embedded_max_batch_size: int = Field(8, ge=1, le=256, description="Embedded server: prefills per forward.")
     min_argmax_agreement: float | None = Field(None, ge=0, le=1, description=(
         "Regenerated samples: reject shards whose LM-head argmax agrees with the tokens less often."))
+    validate_processes: int | None = Field(None, ge=0, le=64, description=(
+        "Worker processes that check the shards (0 = threads of this process; None = by engine: on an SGLang "
+        "host of 8 or more cores, half of them up to 8, because the request loop keeps the GIL busy)."))
     partition_index: int = Field(0, ge=0, le=4095, description=(
         "This run's part of the source when it is split over several nodes (0-based); see partition_count."))
     partition_count: int = Field(1, ge=1, le=4096, description=(

@@ -23,7 +23,7 @@ from eaglenest.extraction.client import ClientConfig, EngineClient
 from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
-from eaglenest.extraction.validate import Expectation, ValidateConfig, load_lm_head
+from eaglenest.extraction.validate import Expectation, ValidateConfig, default_check_processes, load_lm_head
 
 
 @dataclass
@@ -130,7 +130,9 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
                           lanes=((CAPTURE_LANE, p.capture_lane),) if p.capture_lane else ())
     ctx = RunContext(pool=pool, expect=expect, capture_dirs=tuple(dirs), max_prompt_tokens=limit, servers=list(urls),
                      client_config=client, validate_config=ValidateConfig(
-                         shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement),
+                         shard_wait_s=p.shard_wait_s, min_argmax_agreement=p.min_argmax_agreement,
+                         processes=default_check_processes(p.engine) if p.validate_processes is None
+                         else p.validate_processes),
                      transport=transport)
     if p.regeneration.enabled:
         r = p.regeneration

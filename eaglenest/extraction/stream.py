@@ -19,6 +19,9 @@ the round's counts so far are in its :class:`RoundResult` then (also when it rai
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -43,12 +46,14 @@ from eaglenest.extraction.state import (
     load_answers,
     regenerated_row,
 )
-from eaglenest.extraction.validate import quarantine, validate_batch
+from eaglenest.extraction.validate import check_pool, quarantine, validate_batch
 
 CAPTURE, NEXT_TURN, NEW_CONVERSATION = 0, 1, 2
 """Job priorities (lower is sent first). When every job had one priority, the captures queued behind every
 new conversation not yet sent: on the H200 (10K prompts, 2 x 1024 in flight) regeneration had finished 8,978
 samples while 3,560 were captured, and the capture's clock ran while its requests waited."""
+
+log = logging.getLogger(__name__)
 
 
 class Phase:
@@ -105,13 +110,14 @@ class ValidateStep:
 
 
 def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *,
-                  allow_requeue: bool = True) -> ValidateStep:
-    """Validate shards, append the valid ones to the ledger, quarantine the rest (re-queue once)."""
+                  allow_requeue: bool = True, pool: cf.Executor | None = None) -> ValidateStep:
+    """Validate shards (checked by ``pool``: see validate_batch), append the valid ones to the ledger, quarantine
+    the rest (re-queue once)."""
     step, t0 = ValidateStep(), time.perf_counter()
     if not samples:
         return step
     res = validate_batch(samples, extraction_dir=ext.dir, expect=ctx.expect, server_capture_dirs=ctx.capture_dirs,
-                         config=ctx.validate_config, lm_head=ctx.lm_head)
+                         config=ctx.validate_config, lm_head=ctx.lm_head, pool=pool)
     ext.ledger.append(res.entries)
     if res.pinned is not None:
         pinned = ext.path("provenance.json")
@@ -152,6 +158,8 @@ class Validator:
         self._q: queue.Queue[Sample | None] = queue.Queue()
         self._error: BaseException | None = None
         self._abandon = False
+        self._pool: cf.Executor | None = None
+        """Checks the shards, threads or processes (ValidateConfig.processes), for the whole round."""
         self._thread = threading.Thread(target=self._loop, name=VALIDATE_THREAD, daemon=True)
         self._thread.start()
 
@@ -168,6 +176,27 @@ class Validator:
             raise self._error
 
     def _loop(self) -> None:
+        try:
+            self._chunks()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(cancel_futures=True)
+
+    def _validate(self, batch: list[Sample]) -> ValidateStep:
+        """One chunk through the round's check pool (started with the first chunk). A check process that died
+        (killed for memory, say) breaks a process pool before anything of the chunk is recorded: the chunk is
+        checked again in threads, which serve the rest of the round."""
+        if self._pool is None:
+            self._pool = check_pool(self.ctx.validate_config)
+        try:
+            return validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue, pool=self._pool)
+        except cf.process.BrokenProcessPool as e:
+            log.warning("validation: a check process died (%s); checking in threads from here", e)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = check_pool(dataclasses.replace(self.ctx.validate_config, processes=0))
+            return validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue, pool=self._pool)
+
+    def _chunks(self) -> None:
         end = False
         while not end:
             item = self._q.get()
@@ -187,7 +216,7 @@ class Validator:
                 continue
             try:
                 self.phase.begin()
-                v = validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue)
+                v = self._validate(batch)
             except BaseException as e:  # surfaced by close(); the loop keeps draining so close() returns
                 self._error = e
                 continue

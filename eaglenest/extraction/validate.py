@@ -21,6 +21,7 @@ and never stays under its capture name; a missing shard and a provenance mismatc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import os
 import threading
@@ -83,12 +84,34 @@ class ValidateConfig:
     """For regenerated samples: reject below this LM-head argmax agreement (None = report only)."""
     workers: int = min(8, os.cpu_count() or 1)
     """Shards read and checked in parallel (numpy, hashlib and file reads release the GIL)."""
+    processes: int = 0
+    """Check shards in this many worker processes instead of ``workers`` threads (0 = threads). Beside a busy
+    request loop each numpy or hashlib call of a thread waits for the GIL again; a process never does
+    (:func:`default_check_processes`)."""
+
+
+def default_check_processes(engine: str, cpus: int | None = None) -> int:
+    """Worker processes for shard checks when the run does not say: a GPU engine's host (SGLang; 8 or more cores)
+    checks in processes, half its cores up to 8, because the request loop of 1,024 generations in flight keeps
+    the GIL busy (on the H200, 2026-12-04b: 8 check threads validated 79 shards/s while 120/s were captured, and
+    the run's budget ended with 10,604 of 18,361 captured shards validated); the embedded engine computes on the
+    same few cores, so its checks stay in threads."""
+    if cpus is None:
+        cpus = os.cpu_count() or 1
+    return min(8, cpus // 2) if engine == "sglang" and cpus >= 8 else 0
 
 
 class InvalidShard(Exception):
     def __init__(self, reason: str, kind: str, *, requeue: bool = True) -> None:
         super().__init__(reason)
         self.reason, self.kind, self.requeue = reason, kind, requeue
+
+    def __reduce__(self):  # a check process sends it back as a value
+        return _invalid_shard, (self.reason, self.kind, self.requeue)
+
+
+def _invalid_shard(reason: str, kind: str, requeue: bool) -> InvalidShard:
+    return InvalidShard(reason, kind, requeue=requeue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,95 +337,130 @@ def _provenance_error(expect: Expectation, provenance: contract.Provenance) -> I
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """What a shard check sends back: small, so that a check process returns it cheaply."""
+
+    provenance: contract.Provenance
+    stats: dict
+    sha256: str
+    nbytes: int
+    rows: tuple[np.ndarray, np.ndarray] | None
+    """Regenerated samples: (final_hidden's bf16 bits at the predicting positions [P, H], the tokens they
+    predict [P]) for the batched LM-head argmax check."""
+
+
+def _check_file(sample: Sample, path: Path, *, expect: Expectation, config: ValidateConfig,
+                keep_rows: bool) -> _Checked | InvalidShard:
+    """Read and check one shard (in a check thread or process; the argmax check runs batched afterwards)."""
+    data = path.read_bytes()
+    try:
+        shard, stats = check_shard(sample, data, expect, where=str(path), config=config)
+    except InvalidShard as e:
+        return e
+    rows = None
+    if keep_rows and sample.regenerated:
+        pos = torch.tensor(_predicting_positions(sample.loss_spans), dtype=torch.long)  # [P]
+        rows = (_bits(shard.final_hidden[pos]), shard.input_ids[pos + 1].long().numpy())
+    return _Checked(shard.provenance, stats, contract.sha256_bytes(data), len(data), rows)
+
+
+def check_pool(config: ValidateConfig) -> cf.Executor:
+    """The executor that checks shards: ``config.processes`` worker processes (spawned: the caller may hold CUDA
+    and threads), else ``config.workers`` threads. One per run; :func:`validate_batch` takes it as ``pool``."""
+    if config.processes > 0:
+        import multiprocessing as mp
+
+        return cf.ProcessPoolExecutor(config.processes, mp_context=mp.get_context("spawn"))
+    return cf.ThreadPoolExecutor(max(1, config.workers), thread_name_prefix=CHECK_THREADS)
+
+
 def validate_batch(
     samples: Sequence[Sample], *, extraction_dir: str | Path, expect: Expectation,
     server_capture_dirs: Sequence[str | Path] = (), config: ValidateConfig | None = None,
     lm_head: torch.Tensor | None = None, clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = time.sleep, pool: cf.Executor | None = None,
 ) -> BatchValidation:
     """Validate the shards of answered samples; valid ones become ledger entries (not yet appended).
 
     Shards are looked up in ``<extraction>/capture`` and then in ``server_capture_dirs``; a valid
-    shard found elsewhere is moved into the extraction's capture folder.
+    shard found elsewhere is moved into the extraction's capture folder. ``pool`` checks the shards (default:
+    a :func:`check_pool` of ``config`` for this batch alone).
     """
     config = config or ValidateConfig()
+    if pool is None:
+        with check_pool(config) as own:
+            return validate_batch(samples, extraction_dir=extraction_dir, expect=expect,
+                                  server_capture_dirs=server_capture_dirs, config=config, lm_head=lm_head,
+                                  clock=clock, sleep=sleep, pool=own)
     capture = Path(extraction_dir) / "capture"
     capture.mkdir(parents=True, exist_ok=True)
     dirs = [capture, *(Path(d) for d in server_capture_dirs if Path(d).resolve() != capture.resolve())]
     names = {s.sample_id: contract.shard_filename(s.sample_id) for s in samples}
     found = _wait_for({sid: [d / n for d in dirs] for sid, n in names.items()}, config, clock, sleep)
     out = BatchValidation()
-
-    def check_one(s: Sample) -> tuple[bytes, contract.Shard, dict, str] | InvalidShard | None:
-        path = found[s.sample_id]
-        if path is None:
-            return None
-        data = path.read_bytes()
-        try:
-            shard, stats = check_shard(s, data, expect, where=str(path), config=config)  # argmax below, batched
-        except InvalidShard as e:
-            return e
-        return data, shard, stats, contract.sha256_bytes(data)
-
-    results: list = []
-    with cf.ThreadPoolExecutor(max(1, min(config.workers, len(samples))), thread_name_prefix=CHECK_THREADS) as pool:
-        # the argmax of each group of checked regenerated samples runs here while the pool checks the next ones
-        todo: list[int] = []
-        rows = 0
-        for i, res in enumerate(pool.map(check_one, samples)):
-            results.append(res)
-            if lm_head is not None and samples[i].regenerated and isinstance(res, tuple):
-                todo.append(i)
-                rows += len(_predicting_positions(samples[i].loss_spans))
-                if rows >= ARGMAX_GROUP_ROWS:
-                    _check_argmax(samples, results, todo, lm_head, config)
-                    todo, rows = [], 0
-        if todo:
-            _check_argmax(samples, results, todo, lm_head, config)
-    checked: list[tuple[Sample, Path, bytes, dict, str]] = []
-    for s, res in zip(samples, results, strict=True):
-        path = found[s.sample_id]
-        if res is None:
+    keep_rows = lm_head is not None
+    todo = [s for s in samples if found[s.sample_id] is not None]
+    check = functools.partial(_check_file, expect=expect, config=config, keep_rows=keep_rows)
+    checks = pool.map(check, todo, [found[s.sample_id] for s in todo])
+    results: dict[str, _Checked | InvalidShard] = {}
+    group: list[str] = []  # the argmax of each group of checked regenerated samples runs while the pool checks on
+    rows = 0
+    for s, res in zip(todo, checks, strict=True):
+        results[s.sample_id] = res
+        if isinstance(res, _Checked) and res.rows is not None:
+            group.append(s.sample_id)
+            rows += res.rows[1].shape[0]
+            if rows >= ARGMAX_GROUP_ROWS:
+                _check_argmax(results, group, lm_head, config)
+                group, rows = [], 0
+    if group:
+        _check_argmax(results, group, lm_head, config)
+    checked: list[tuple[Sample, Path, _Checked]] = []
+    for s in samples:
+        path, res = found[s.sample_id], results.get(s.sample_id)
+        if path is None or res is None:
             out.invalid.append(Invalid(s.sample_id, "missing", (
                 f"capture missing: no shard {names[s.sample_id]} in {', '.join(map(str, dirs))} within "
                 f"{config.shard_wait_s:g} s of the answer (is capture enabled on the server and its capture dir "
                 "this extraction's?)"), requeue=False))
             continue
         if isinstance(res, InvalidShard) or expect.provenance is not None:
-            err = res if isinstance(res, InvalidShard) else _provenance_error(expect, res[1].provenance)
+            err = res if isinstance(res, InvalidShard) else _provenance_error(expect, res.provenance)
             if err is not None:
                 q = quarantine(extraction_dir, path, s.sample_id, err.reason, err.kind)
                 out.invalid.append(Invalid(s.sample_id, err.kind, err.reason, err.requeue, q))
                 continue
-        data, shard, stats, digest = res
         if expect.provenance is None:  # the first valid shard pins the run's full provenance
-            expect = expect.pinned(shard.provenance)
-            out.pinned = shard.provenance
+            expect = expect.pinned(res.provenance)
+            out.pinned = res.provenance
         if path.parent != capture:
-            contract.atomic_write_bytes(capture / path.name, data)
+            contract.atomic_write_bytes(capture / path.name, path.read_bytes())
             path.unlink()
-        checked.append((s, capture / path.name, data, stats, digest))
-    out.outliers = _flag_outliers([c[3] for c in checked], config.outlier_factor)
-    for s, path, data, stats, digest in checked:
+        checked.append((s, capture / path.name, res))
+    out.outliers = _flag_outliers([c.stats for _, _, c in checked], config.outlier_factor)
+    for s, path, c in checked:
         out.entries.append(LedgerEntry(
-            sample_id=s.sample_id, shard=path.name, sha256=digest, bytes=len(data),
+            sample_id=s.sample_id, shard=path.name, sha256=c.sha256, bytes=c.nbytes,
             num_tokens=s.num_tokens, loss_tokens=s.loss_tokens, loss_spans=s.loss_spans,
-            regenerated=s.regenerated, stats=stats,
+            regenerated=s.regenerated, stats=c.stats,
         ))
     return out
 
 
-def _check_argmax(samples: Sequence[Sample], results: list, todo: Sequence[int], lm_head: torch.Tensor,
+def _check_argmax(results: dict[str, _Checked | InvalidShard], group: Sequence[str], lm_head: torch.Tensor,
                   config: ValidateConfig) -> None:
-    """The LM-head argmax check of the regenerated samples ``todo`` (their other checks passed), in one batched
-    pass; a sample below the floor becomes an InvalidShard in ``results``."""
-    agree = argmax_agreements([(results[i][1].final_hidden, results[i][1].input_ids, samples[i].loss_spans)
-                               for i in todo], lm_head)
-    for i, (hit, n) in zip(todo, agree, strict=True):
+    """The LM-head argmax check of the checked regenerated samples ``group``, in one batched pass; a sample
+    below the floor becomes an InvalidShard in ``results``."""
+    items = []
+    for sid in group:
+        bits, nxt = results[sid].rows
+        items.append((torch.from_numpy(bits).view(torch.bfloat16), torch.from_numpy(nxt)))
+    for sid, (hit, n) in zip(group, _argmax_hits(items, lm_head, 1024), strict=True):
         try:
-            _argmax_stats(results[i][2], hit, n, config)
+            _argmax_stats(results[sid].stats, hit, n, config)
         except InvalidShard as e:
-            results[i] = e
+            results[sid] = e
 
 
 def _flag_outliers(stats: list[dict], factor: float) -> int:

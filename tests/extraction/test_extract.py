@@ -127,11 +127,13 @@ def test_server_with_other_aux_layers_is_refused_before_any_request(tiny_extract
     engine.close()
 
 
-def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path):
+@pytest.mark.parametrize("processes", [0, 2], ids=["checks-in-threads", "checks-in-processes"])
+def test_regeneration_rebuilds_samples_from_the_targets_answers(tiny_extract_params, capture_servers, tmp_path,
+                                                               processes):
     import httpx
 
     params = with_(tiny_extract_params, source=regen_source(tmp_path), max_turns=None,
-                   regeneration={"enabled": True, "max_new_tokens": 8})
+                   regeneration={"enabled": True, "max_new_tokens": 8}, validate_processes=processes)
     ext = open_extraction(params)
     ((url, engine),) = capture_servers(ext.capture_dir)
     engine.greedy_decoder = StopAfter(engine.runner, k=6)

@@ -1,6 +1,7 @@
 """Shard validation: every check, quarantine with the reason, bounded wait; a wrong or short capture is a
 terminal error and NaN/Inf hidden states are never accepted."""
 
+import concurrent.futures as cf
 import json
 
 import pytest
@@ -14,6 +15,8 @@ from eaglenest.extraction.validate import (
     ValidateConfig,
     argmax_agreement,
     argmax_agreements,
+    check_pool,
+    default_check_processes,
     validate_batch,
 )
 
@@ -258,3 +261,78 @@ def test_hidden_checks_norms_equal_the_float64_reference_and_find_every_nonfinit
         with pytest.raises(InvalidShard, match=rf"non-finite value in {name} at \[token {where[0]}, col {where[1]}\]"):
             _hidden_checks(bad)
 
+
+
+def test_checks_in_worker_processes_decide_what_checks_in_threads_decide(tmp_path):
+    """ValidateConfig.processes: the shards are read and checked in spawned processes (a GPU host's request loop
+    keeps the GIL busy) and every verdict, statistic and reason is the one of the threads: valid, non-finite,
+    wrong provenance, below the argmax floor, missing; one pool serves batch after batch."""
+    g = torch.Generator().manual_seed(3)
+    lm_head = torch.eye(H) + 0.01 * torch.randn(H, H, generator=g)
+
+    def batch(tag):
+        items = []
+        for i in range(4):
+            s = sample(f"{tag}-ok{i}", t=8, regenerated=i % 2 == 0)
+            ids = torch.tensor(s.input_ids.tolist())
+            final = torch.zeros(8, H)
+            final[:-1] = lm_head[ids[1:]]
+            final[2 : 2 + i] = lm_head[0]  # 0-3 wrong predictions: the regenerated one with 2 is below the floor
+            items.append((s, shard_bytes(s, final=final)))
+        nan, other = sample(f"{tag}-nan"), sample(f"{tag}-prov")
+        return [*items, (nan, shard_bytes(nan, raw_nan=True)), (other, shard_bytes(other, p=prov(dtype="float16"))),
+                (sample(f"{tag}-gone"), None)]
+
+    def verdicts(res):  # (the folders' names left out of the reasons)
+        def reason(i):
+            return i.reason.replace(str(tmp_path / "p"), "X").replace(str(tmp_path / "t"), "X")
+
+        return ([(e.sample_id, e.sha256, e.bytes, e.stats) for e in res.entries],
+                sorted((i.sample_id, i.kind, i.requeue, reason(i)) for i in res.invalid))
+
+    threads = ValidateConfig(shard_wait_s=0, min_argmax_agreement=0.7)
+    procs = ValidateConfig(shard_wait_s=0, min_argmax_agreement=0.7, processes=2)
+    want = [verdicts(check(tmp_path / "t", batch(tag), lm_head=lm_head, config=threads)) for tag in ("a", "b")]
+    with check_pool(procs) as pool:
+        assert isinstance(pool, cf.ProcessPoolExecutor)
+        got = [verdicts(check(tmp_path / "p", batch(tag), lm_head=lm_head, config=procs, pool=pool))
+               for tag in ("a", "b")]
+    assert [[(sid, stats) for sid, _, _, stats in e] for e, _ in got] == [
+        [(sid, stats) for sid, _, _, stats in e] for e, _ in want]
+    assert [i for _, i in got] == [i for _, i in want]
+    entries, invalid = got[0]
+    assert [sid for sid, *_ in entries] == ["a-ok0", "a-ok1", "a-ok3"]  # a-ok2: regenerated, 4/6 agree < 0.7
+    assert entries[0][3]["argmax_agreement"] == 1.0 and "argmax_agreement" not in entries[1][3]
+    assert {(sid, kind) for sid, kind, *_ in invalid} == {
+        ("a-ok2", "argmax"), ("a-nan", "nonfinite"), ("a-prov", "provenance"), ("a-gone", "missing")}
+
+
+def test_worker_processes_by_engine_when_the_run_does_not_say():
+    assert [default_check_processes("sglang", n) for n in (2, 4, 8, 16, 64)] == [0, 0, 4, 8, 8]
+    assert default_check_processes("embedded", 64) == 0
+
+
+def test_a_dead_check_process_sends_its_chunk_and_the_rest_of_the_round_to_threads(monkeypatch):
+    """A check process that dies breaks its pool before the chunk records anything: the Validator checks that chunk
+    again in threads, and the later chunks too; nothing is lost or counted twice."""
+    from types import SimpleNamespace
+
+    from eaglenest.extraction import stream
+    from eaglenest.extraction.state import Counts
+
+    pools = []
+
+    def step(ext, ctx, batch, *, allow_requeue, pool):
+        pools.append(type(pool).__name__)
+        if isinstance(pool, cf.ProcessPoolExecutor):
+            raise cf.process.BrokenProcessPool("a child process terminated abruptly")
+        return stream.ValidateStep(counts=Counts(validated=len(batch)))
+
+    monkeypatch.setattr(stream, "validate_step", step)
+    ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
+    v = stream.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
+    for i in range(6):
+        v.put(sample(f"s{i}"))
+    v.close()
+    assert pools[:2] == ["ProcessPoolExecutor", "ThreadPoolExecutor"] and set(pools[2:]) <= {"ThreadPoolExecutor"}
+    assert v.counts.validated == 6
