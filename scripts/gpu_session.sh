@@ -35,6 +35,12 @@
 # STORE=extraction EXTRACT_S=330-360: 14-18K samples, the cold servers ready after 85-208 s), train (a one-config GRID,
 # TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
+# Continuing (results/2026-12-04b-h200, ~1,670 s): each call carries at most 64 MiB with the working tree (~9 MB), so
+# setup x3 share the kit, gguf1, the answers' parts and the prompt pack, and the drafter's parts (drafter-NAME.tar.part*
+# in .gpu-drafters/parts-NAME/) go part in a setup call, the rest with train (INIT_FROM=parts:NAME); data with the
+# carried answers (SOURCE and LIMIT as when they were written: capture only, ~120 shards/s from two servers), train
+# (lr 1e-3, the schedule finishing in TRAIN_MINUTES), bench. On 2026-12-04b the validation, in threads then, kept up
+# with 79 shards/s and the budget ended with 10,604 of 18,361 captured shards validated (now in processes on the GPU host).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -47,7 +53,8 @@
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 140000: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
-# from this exported drafter, carried with the call), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
+# from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
+# /tmp/init-drafter/NAME in it), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
 # (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -91,6 +98,22 @@ copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-onl
   mkdir -p /tmp/gpu-logs && find .gpu-logs -maxdepth 1 -type f -exec cp -f -t /tmp/gpu-logs/ {} + && ls -la /tmp/gpu-logs
 }
 
+copy_parts() {  # drafter parts (drafter-NAME.tar.part*, as train sends them back) that .gpu-drafters/parts* carries
+  local f; mkdir -p /tmp/drafter-parts
+  for f in .gpu-drafters/parts*/drafter-*.tar.part*; do [ -f "$f" ] && cp -f "$f" /tmp/drafter-parts/; done; return 0
+}
+
+init_drafter() {  # $1 INIT_FROM: an exported drafter folder, or parts:NAME (its parts, carried over several calls)
+  local name=${1#parts:}
+  [ "$name" != "$1" ] || { realpath "$1"; return; }
+  ls /tmp/drafter-parts/drafter-"$name".tar.part* >/dev/null 2>&1 \
+    || { echo "INIT_FROM=$1: no /tmp/drafter-parts/drafter-$name.tar.part* (carry .gpu-drafters/parts*/...)" >&2; exit 2; }
+  rm -rf /tmp/init-drafter && mkdir -p /tmp/init-drafter
+  cat /tmp/drafter-parts/drafter-"$name".tar.part* | tar -C /tmp/init-drafter -xf - || { echo "INIT_FROM=$1: \
+the parts do not unpack (one missing?): $(ls /tmp/drafter-parts)" >&2; exit 2; }
+  echo "/tmp/init-drafter/$name"
+}
+
 # Triton's compiled kernels (SGLang's attention and the CUDA-graph capture): on a fresh machine the first launch
 # spent 85 s capturing decode graphs, mostly compiling, where a warm one took 9 s. `data` brings the cache back
 # ($OUT/triton-cache.tar.xz, when it fits one file) and a later session carries it in .gpu-logs (setup or data).
@@ -129,6 +152,7 @@ setup)
   # call: the target's answers of an earlier session (regen-logs-TAG.tar.xz.part*) and prompt packs (*.jsonl.xz,
   # found by SOURCE like those of .gpu)
   copy_logs
+  copy_parts
   restore_kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
@@ -272,7 +296,10 @@ train)
   # above the target's width on held-out @3, trained as fast: results/2026-12-02b-h200)
   # INIT_FROM (an exported drafter folder carried with the call, e.g. .gpu-drafters/cont): continue from it (its
   # vocabulary and MLP width are kept); 15.3M + 33.9M tokens this way gave the best drafter so far (2026-12-02c)
-  init=; [ -z "${INIT_FROM:-}" ] || init=", \"init_from\": \"$(realpath "$INIT_FROM")\""
+  # INIT_FROM=parts:NAME: the drafter NAME from its parts (a 63-MB export does not fit one 64-MiB call beside the
+  # working tree: carry .gpu-drafters/parts-NAME/drafter-NAME.tar.part* split over a setup call and this one)
+  copy_parts
+  init=; [ -z "${INIT_FROM:-}" ] || init=", \"init_from\": \"$(init_drafter "$INIT_FROM")\""
   [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S per config, so the step schedule finishes
   # and the budget stays a safety stop. Measured per config: 80.4-80.7K tok/s two at once on first-turn samples
@@ -290,9 +317,13 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step, at
   # gpu_sweep's tokens a step; 0.68 of the tokens under the loss, as in the 2026-12-04 extraction). That day's
   # trainer waited 61 ms a step for the device after 145 ms of its own host work: on real rows the device, not the
-  # host, set the pace at 32K tokens (0.206 s a step against bench_train's 0.145 s on 512-token rows)
+  # host, set the pace at 32K tokens (0.206 s a step against bench_train's 0.145 s on 512-token rows). The profile
+  # of 2026-12-04b (results/2026-12-04b-h200/train-step-profile.txt, TTT 7, bench_train's default then): 0.248 s a
+  # step on 512-token rows, 0.355 s on 2,048-token rows (the attention's T x T scores grow with the row); on 512-token
+  # rows elementwise mul and copies took ~38% of the GPU time, log-softmaxes ~16%, mm + bmm 26%: memory traffic of
+  # the fp32 draft-vocab loss ([TTT x ~22K rows x 32000] values), more than the matmuls
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
-    --tokens 32768 --seq 512 2048 --vocab 32000 --loss-share 0.68 --precision bf16 --profile 40 \
+    --tokens 32768 --seq 512 2048 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 --profile 40 \
     > "$R/train-profile.txt" 2>&1 || true
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
