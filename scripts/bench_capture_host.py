@@ -36,6 +36,7 @@ from eaglenest.engines.sglang_capture import CaptureWriter, HostBatch, ReqView, 
 from eaglenest.extraction import validate as v
 from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.client import ClientConfig, EngineClient, Job
+from eaglenest.extraction.lm_head import argmax_agreement
 from eaglenest.extraction.prefill import capture_request, check_capture_answer
 from eaglenest.testing.fake_store import fake_provenance, fake_shard
 
@@ -121,7 +122,7 @@ def main() -> None:
         if "argmax" in pieces:
             head = torch.randn(a.vocab, a.hidden)  # [V, H] fp32, as load_lm_head returns it
             m = min(n, 16)
-            sec = best(lambda: [v.argmax_agreement(s.final_hidden, s.input_ids, samples[i].loss_spans, head)
+            sec = best(lambda: [argmax_agreement(s.final_hidden, s.input_ids, samples[i].loss_spans, head)
                                 for i, s in enumerate(shards[:m])], 1)
             line("argmax (this CPU)", sec, m, m * a.tokens, nbytes * m // n)
         if "client" in pieces:

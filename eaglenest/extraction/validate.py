@@ -36,6 +36,7 @@ import torch
 from eaglenest import contract
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.ledger import LedgerEntry
+from eaglenest.extraction.lm_head import ARGMAX_GROUP_ROWS, argmax_agreement, argmax_hits, predicting_positions
 
 QUARANTINE = "quarantine"
 
@@ -133,78 +134,6 @@ class BatchValidation:
     outliers: int = 0
 
 
-def load_lm_head(model_dir: str | Path) -> torch.Tensor:
-    """The target's LM head [V, H] (or its tied input embedding), read alone from the safetensors files."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        for f in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as sf:
-                if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                    return sf.get_tensor(name).float()  # [V, H]
-    raise contract.ContractError(f"{model_dir}: no lm_head.weight or model.embed_tokens.weight in its safetensors")
-
-
-ArgmaxItem = tuple[torch.Tensor, torch.Tensor, Sequence[tuple[int, int]]]
-"""(final_hidden [T, H], input_ids [T], loss spans) of one sample."""
-
-
-ARGMAX_GROUP_ROWS = 1 << 16
-"""Answer positions sent to the LM head's device in one copy (and, in validation, checked in one pass)."""
-
-
-def argmax_agreements(items: Sequence[ArgmaxItem], lm_head: torch.Tensor, *, chunk: int = 1024,
-                      group_rows: int = ARGMAX_GROUP_ROWS) -> list[tuple[int, int]]:
-    """(matches, positions) per item: argmax(lm_head @ final_hidden[t]) == input_ids[t + 1] for t + 1 in a span.
-
-    The items' rows go to ``lm_head``'s device in one copy per ``group_rows`` rows and their hits come back in
-    one: on a GPU that the capture servers share, each round trip waits for the GPU's time slice, so there are
-    few per validation chunk instead of one per 256 rows of every sample (on the H200, validation was busy 8.7 ms
-    per regenerated sample of 233 tokens, several times what its CPU checks cost)."""
-    out: list[tuple[int, int]] = []
-    group: list[tuple[torch.Tensor, torch.Tensor]] = []
-    rows = 0
-    for final_hidden, input_ids, spans in items:
-        pos = torch.tensor(_predicting_positions(spans), dtype=torch.long)  # [P_i]
-        group.append((final_hidden[pos], input_ids[pos + 1].long()))  # [P_i, H], [P_i]
-        rows += int(pos.numel())
-        if rows >= group_rows:
-            out += _argmax_hits(group, lm_head, chunk)
-            group, rows = [], 0
-    return out + (_argmax_hits(group, lm_head, chunk) if group else [])
-
-
-def _predicting_positions(spans: Sequence[tuple[int, int]]) -> list[int]:
-    """The positions t whose final state predicts a span token t + 1 (a span's first token at 0 has none)."""
-    return [t - 1 for a, b in spans for t in range(max(a, 1), b)]
-
-
-def _argmax_hits(group: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
-                 chunk: int) -> list[tuple[int, int]]:
-    sizes = [int(y.numel()) for _, y in group]
-    if not sum(sizes):
-        return [(0, 0) for _ in group]
-    dev = lm_head.device
-    x = torch.cat([x for x, _ in group]).to(dev)  # [P, H]
-    y = torch.cat([y for _, y in group]).to(dev)  # [P]
-    hits = torch.empty(x.shape[0], dtype=torch.bool, device=dev)  # [P]
-    for i in range(0, x.shape[0], chunk):
-        logits = x[i : i + chunk].float() @ lm_head.T  # [c, V]
-        hits[i : i + chunk] = logits.argmax(-1) == y[i : i + chunk]
-    return [(int(h.sum()), n) for h, n in zip(hits.cpu().split(sizes), sizes, strict=True)]
-
-
-def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence[tuple[int, int]],
-                     lm_head: torch.Tensor) -> tuple[int, int]:
-    """(matches, positions) of one sample; see :func:`argmax_agreements`."""
-    return argmax_agreements([(final_hidden, input_ids, spans)], lm_head)[0]
-
-
-# The numeric checks run on numpy views of the bf16 bit patterns: elementwise torch ops on the CPU pay
-# thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server. And each
-# numpy call hands the GIL back and waits to take it again: beside a thread busy in Python (the request loop)
-# that wait is up to the interpreter's switch interval, so the checks make as few calls as they can.
 _SQUARES: list[np.ndarray] = []
 """Float32 buffers for one tensor's squares, taken by a check and given back (each batch has its own threads)."""
 _SQUARES_LOCK = threading.Lock()
@@ -360,7 +289,7 @@ def _check_file(sample: Sample, path: Path, *, expect: Expectation, config: Vali
         return e
     rows = None
     if keep_rows and sample.regenerated:
-        pos = torch.tensor(_predicting_positions(sample.loss_spans), dtype=torch.long)  # [P]
+        pos = torch.tensor(predicting_positions(sample.loss_spans), dtype=torch.long)  # [P]
         rows = (_bits(shard.final_hidden[pos]), shard.input_ids[pos + 1].long().numpy())
     return _Checked(shard.provenance, stats, contract.sha256_bytes(data), len(data), rows)
 
@@ -456,7 +385,7 @@ def _check_argmax(results: dict[str, _Checked | InvalidShard], group: Sequence[s
     for sid in group:
         bits, nxt = results[sid].rows
         items.append((torch.from_numpy(bits).view(torch.bfloat16), torch.from_numpy(nxt)))
-    for sid, (hit, n) in zip(group, _argmax_hits(items, lm_head, 1024), strict=True):
+    for sid, (hit, n) in zip(group, argmax_hits(items, lm_head, 1024), strict=True):
         try:
             _argmax_stats(results[sid].stats, hit, n, config)
         except InvalidShard as e:

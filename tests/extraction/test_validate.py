@@ -10,11 +10,10 @@ from safetensors.torch import save as st_save
 
 from eaglenest import contract
 from eaglenest.data import Sample
+from eaglenest.extraction.lm_head import argmax_agreement, argmax_agreements
 from eaglenest.extraction.validate import (
     Expectation,
     ValidateConfig,
-    argmax_agreement,
-    argmax_agreements,
     check_pool,
     default_check_processes,
     validate_batch,
