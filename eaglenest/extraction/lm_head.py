@@ -45,9 +45,8 @@ def argmax_agreements(items: Sequence[ArgmaxItem], lm_head: torch.Tensor, *, chu
     group: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows = 0
     for final_hidden, input_ids, spans in items:
-        pos = torch.tensor(predicting_positions(spans), dtype=torch.long)  # [P_i]
-        group.append((final_hidden[pos], input_ids[pos + 1].long()))  # [P_i, H], [P_i]
-        rows += int(pos.numel())
+        group.append(answer_rows(final_hidden, input_ids, spans))
+        rows += int(group[-1][1].numel())
         if rows >= group_rows:
             out += argmax_hits(group, lm_head, chunk)
             group, rows = [], 0
@@ -57,6 +56,13 @@ def argmax_agreements(items: Sequence[ArgmaxItem], lm_head: torch.Tensor, *, chu
 def predicting_positions(spans: Sequence[tuple[int, int]]) -> list[int]:
     """The positions t whose final state predicts a span token t + 1 (a span's first token at 0 has none)."""
     return [t - 1 for a, b in spans for t in range(max(a, 1), b)]
+
+
+def answer_rows(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence[tuple[int, int]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final_hidden at the predicting positions [P, H], the span tokens they predict [P]) of one sample."""
+    pos = torch.tensor(predicting_positions(spans), dtype=torch.long)  # [P]
+    return final_hidden[pos], input_ids[pos + 1].long()
 
 
 def argmax_hits(group: Sequence[tuple[torch.Tensor, torch.Tensor]], lm_head: torch.Tensor,
@@ -78,9 +84,3 @@ def argmax_agreement(final_hidden: torch.Tensor, input_ids: torch.Tensor, spans:
                      lm_head: torch.Tensor) -> tuple[int, int]:
     """(matches, positions) of one sample; see :func:`argmax_agreements`."""
     return argmax_agreements([(final_hidden, input_ids, spans)], lm_head)[0]
-
-
-# The numeric checks run on numpy views of the bf16 bit patterns: elementwise torch ops on the CPU pay
-# thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server. And each
-# numpy call hands the GIL back and waits to take it again: beside a thread busy in Python (the request loop)
-# that wait is up to the interpreter's switch interval, so the checks make as few calls as they can.

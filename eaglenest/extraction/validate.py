@@ -36,7 +36,7 @@ import torch
 from eaglenest import contract
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.ledger import LedgerEntry
-from eaglenest.extraction.lm_head import ARGMAX_GROUP_ROWS, argmax_agreement, argmax_hits, predicting_positions
+from eaglenest.extraction.lm_head import ARGMAX_GROUP_ROWS, answer_rows, argmax_agreement, argmax_hits
 
 QUARANTINE = "quarantine"
 
@@ -134,6 +134,10 @@ class BatchValidation:
     outliers: int = 0
 
 
+# The numeric checks run on numpy views of the bf16 bit patterns: elementwise torch ops on the CPU pay
+# thread-pool wake-ups per op (~10 ms each on a busy machine), which would steal time from the server. And each
+# numpy call hands the GIL back and waits to take it again: beside a thread busy in Python (the request loop)
+# that wait is up to the interpreter's switch interval, so the checks make as few calls as they can.
 _SQUARES: list[np.ndarray] = []
 """Float32 buffers for one tensor's squares, taken by a check and given back (each batch has its own threads)."""
 _SQUARES_LOCK = threading.Lock()
@@ -289,8 +293,8 @@ def _check_file(sample: Sample, path: Path, *, expect: Expectation, config: Vali
         return e
     rows = None
     if keep_rows and sample.regenerated:
-        pos = torch.tensor(predicting_positions(sample.loss_spans), dtype=torch.long)  # [P]
-        rows = (_bits(shard.final_hidden[pos]), shard.input_ids[pos + 1].long().numpy())
+        x, y = answer_rows(shard.final_hidden, shard.input_ids, sample.loss_spans)
+        rows = (_bits(x), y.numpy())
     return _Checked(shard.provenance, stats, contract.sha256_bytes(data), len(data), rows)
 
 
@@ -347,13 +351,14 @@ def validate_batch(
         _check_argmax(results, group, lm_head, config)
     checked: list[tuple[Sample, Path, _Checked]] = []
     for s in samples:
-        path, res = found[s.sample_id], results.get(s.sample_id)
-        if path is None or res is None:
+        path = found[s.sample_id]
+        if path is None:
             out.invalid.append(Invalid(s.sample_id, "missing", (
                 f"capture missing: no shard {names[s.sample_id]} in {', '.join(map(str, dirs))} within "
                 f"{config.shard_wait_s:g} s of the answer (is capture enabled on the server and its capture dir "
                 "this extraction's?)"), requeue=False))
             continue
+        res = results[s.sample_id]
         if isinstance(res, InvalidShard) or expect.provenance is not None:
             err = res if isinstance(res, InvalidShard) else _provenance_error(expect, res.provenance)
             if err is not None:
