@@ -37,10 +37,10 @@ from eaglenest.speculative.bench import BenchConfig
 
 CPU_DEMO_NOTE = (
     "a drafter trained for a few minutes on a CPU is not expected to pay off: speedups below 1x are normal here "
-    "(the demo shows the pipeline, not the product). The GPU recipe (10K ShareGPT first turns and 10.8K prompts the "
-    "target wrote itself, all answered by the target; a 4x-wide draft MLP trained for 49M tokens on one H200) "
-    "accepts 2.40 live on MT-Bench in SGLang at 3 draft steps and 2.61 at 5 (1.05x plain decoding), measured "
-    "2026-12-02 (results/2026-12-02c-h200).")
+    "(the demo shows the pipeline, not the product). The GPU recipe (prompts the target wrote itself, ShareGPT "
+    "first turns and coding prompts, all answered by the target; a 4x-wide draft MLP continued over several "
+    "H200 windows, 145.5M trained tokens) accepts 2.58 live on MT-Bench in SGLang at 3 draft steps and 3.75 with "
+    "a 6x4x16 tree, measured 2026-12-03 (results/2026-12-03f-h200).")
 """What the demo's headline says plainly about its numbers (the measured GPU recipe, for scale)."""
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
