@@ -304,8 +304,20 @@ def check_pool(config: ValidateConfig) -> cf.Executor:
     if config.processes > 0:
         import multiprocessing as mp
 
-        return cf.ProcessPoolExecutor(config.processes, mp_context=mp.get_context("spawn"))
+        return cf.ProcessPoolExecutor(config.processes, mp_context=mp.get_context("spawn"),
+                                      initializer=_start_check_process)
     return cf.ThreadPoolExecutor(max(1, config.workers), thread_name_prefix=CHECK_THREADS)
+
+
+def _start_check_process() -> None:
+    """A check process of a profiled extraction (``EAGLENEST_SAMPLE_PROFILE`` set, inherited from the run) samples
+    its own stack as role ``check``, as the check threads are sampled in the run's process."""
+    from eaglenest.engines import ENV_PROFILE_DIR
+
+    if os.environ.get(ENV_PROFILE_DIR):
+        from eaglenest.testing import sglang_profiler
+
+        sglang_profiler.maybe_start("check")
 
 
 def validate_batch(

@@ -3,6 +3,8 @@ terminal error and NaN/Inf hidden states are never accepted."""
 
 import concurrent.futures as cf
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -304,6 +306,22 @@ def test_checks_in_worker_processes_decide_what_checks_in_threads_decide(tmp_pat
     assert entries[0][3]["argmax_agreement"] == 1.0 and "argmax_agreement" not in entries[1][3]
     assert {(sid, kind) for sid, kind, *_ in invalid} == {
         ("a-ok2", "argmax"), ("a-nan", "nonfinite"), ("a-prov", "provenance"), ("a-gone", "missing")}
+
+
+def test_check_processes_of_a_profiled_run_sample_themselves(tmp_path, monkeypatch):
+    """With EAGLENEST_SAMPLE_PROFILE set, each check process writes its own role-``check`` profile (the run's
+    sampler sees only its own process's threads)."""
+    from eaglenest.engines import ENV_PROFILE_DIR
+    from eaglenest.testing import sglang_profiler
+
+    monkeypatch.setenv(ENV_PROFILE_DIR, str(tmp_path / "prof"))
+    with check_pool(ValidateConfig(processes=1)) as pool:
+        pid = pool.submit(os.getpid).result()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "prof" / f"check-{pid}.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # (the sampler writes its file each second)
+    assert pid != os.getpid()
+    assert sglang_profiler.snapshot(tmp_path / "prof", "check")["samples"]["all"] > 0
 
 
 def test_worker_processes_by_engine_when_the_run_does_not_say():
