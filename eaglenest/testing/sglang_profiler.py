@@ -4,9 +4,9 @@ Enabled only by ``EAGLENEST_SAMPLE_PROFILE=<dir>`` (GPU diagnostics, never in pr
 without capture, so a baseline server can be profiled the same way (the plugin must be discoverable
 there: ``scripts/gpu_p1.py`` shows how). A daemon thread in every scheduler process (role ``sched``), in
 the HTTP process (role ``http``: tokenizer manager, receipt waits) and in the extraction (role ``client``: its
-request loop; ``extract`` roles ``validate`` and ``check``, its shard-checking threads or processes, too) looks at the main (or
-named) thread's stack every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per function, the
-samples in which it was on the stack (inclusive) and innermost (self). Every second it writes
+request loop; ``extract`` roles ``validate`` and ``check``, its shard-checking threads or processes, too) looks
+at the main (or named) thread's stack every ``EAGLENEST_SAMPLE_INTERVAL_S`` (default 0.005 s) and counts, per
+function, the samples in which it was on the stack (inclusive) and innermost (self). Every second it writes
 ``<dir>/<role>-<pid>.json`` and appends that second's top innermost functions to
 ``<dir>/<role>-<pid>.timeline.jsonl`` (to line up with ``nvidia-smi dmon``); :func:`snapshot` sums a role's
 files and :func:`summarize` turns two snapshots into the top rows.
