@@ -13,7 +13,8 @@ from pathlib import Path
 
 import uvicorn
 
-from eaglenest.engines.embedded import EmbeddedEngine, ServerSettings, create_app
+from eaglenest.engines.embedded import EmbeddedEngine, ServerSettings
+from eaglenest.engines.embedded_http import create_app
 from eaglenest.engines.pool import free_port
 from eaglenest.engines.runtime import TargetRunner
 
