@@ -137,7 +137,7 @@ def train_run(args) -> None:
 def step_bench(args) -> None:
     import torch
 
-    from eaglenest.drafter.model import load_target_tensors
+    from eaglenest.drafter.target import load_target_tensors
     from eaglenest.models import resolve_model
 
     if args.threads:

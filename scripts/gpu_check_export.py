@@ -33,7 +33,8 @@ def random_drafter_export(target: Path, out: Path, draft_vocab: int) -> Path:
     from eaglenest import contract
     from eaglenest import models as model_lib
     from eaglenest.drafter.export import TrainedDrafter, export_drafter
-    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.target import load_target_tensors
     from eaglenest.drafter.vocab import DraftVocab
 
     tt = load_target_tensors(target)

@@ -370,7 +370,7 @@ def train_eaglenest(store, s: Settings, sel: Selection) -> dict:
 def score(store, s: Settings, drafts: dict[str, Path], eval_sets: dict[str, str]) -> dict:
     """Teacher-forced TTT metrics of each exported drafter on the held-out split and every eval set."""
     from eaglenest.drafter.evaluate import evaluate
-    from eaglenest.drafter.model import load_target_tensors
+    from eaglenest.drafter.target import load_target_tensors
     from eaglenest.speculative.draft import load_exported_drafter
 
     device = s.torch_device()

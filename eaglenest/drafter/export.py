@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 from eaglenest import __version__, contract
 from eaglenest import models as model_lib
 from eaglenest.drafter.checkpoint import CheckpointManager
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 
 Format = Literal["sglang", "speculators"]
 MANIFEST = "eaglenest.json"

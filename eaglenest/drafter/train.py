@@ -41,7 +41,8 @@ from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.data import BatchStream, Lookahead, stage
 from eaglenest.drafter.evaluate import evaluate
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 from eaglenest.drafter.train_state import (
     HELDOUT,
     Dist,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

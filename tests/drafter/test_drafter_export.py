@@ -14,7 +14,8 @@ from test_drafter_model import SglangEagle3Reference
 from eaglenest.contract import ContractError
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.export import MANIFEST, export_drafter, load_drafter, read_trained
-from eaglenest.drafter.model import Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 from eaglenest.drafter.train import train
 from eaglenest.testing.fake_store import MemoryStore
 

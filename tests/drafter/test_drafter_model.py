@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from eaglenest.contract import ContractError
-from eaglenest.drafter.model import DrafterConfig, DraftKVCache, Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import DrafterConfig, DraftKVCache, Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab
 
 

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from eaglenest.drafter.data import collate
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter, load_target_tensors
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.target import load_target_tensors
 from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
 from eaglenest.drafter.vocab import build_draft_vocab
 from eaglenest.store.encoding import StoreSample

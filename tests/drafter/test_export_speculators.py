@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from test_drafter_export import trained_run  # noqa: F401  (module fixture: a 2-step trained tiny drafter)
 
 from eaglenest.drafter.export import export_drafter, read_trained
-from eaglenest.drafter.model import load_target_tensors
+from eaglenest.drafter.target import load_target_tensors
 
 eagle3 = pytest.importorskip(
     "speculators.models.eagle3",
