@@ -115,6 +115,10 @@ class ExtractParams(BaseModel):
     shard_wait_s: float = Field(30.0, ge=0, le=3600, description=(
         "How long a shard may take to appear after the answer (SGLang writes it asynchronously)."))
     launch_timeout_s: float = Field(600.0, gt=0, le=7200, description="Bound on a server becoming ready.")
+    stop_validate_s: float = Field(30.0, ge=0, le=3600, description=(
+        "A run that is interrupted (SIGTERM, Ctrl-C, a crash) stops its servers, then validates the shards "
+        "answered and not yet validated for up to this many seconds, the whole machine its own (each chunk "
+        "enters the ledger as it is done); what is left the next run validates without a request. 0: none."))
     sglang_args: list[str] = Field(default_factory=list, description=(
         "Extra sglang.launch_server arguments. When servers share a GPU, --mem-fraction-static is the total "
         f"they hold on it together (default {DEFAULT_SHARED_MEM_FRACTION}), split evenly; eaglenest sets each "

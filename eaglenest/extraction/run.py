@@ -30,6 +30,7 @@ nothing here imports Prefect.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -46,8 +47,18 @@ from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.connect import RunContext, after_revive, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
-from eaglenest.extraction.stream import VALIDATE_THREAD, Phases, RoundResult, problem, stream, validate_step
+from eaglenest.extraction.stream import (
+    VALIDATE_THREAD,
+    Phases,
+    RoundResult,
+    problem,
+    stream,
+    validate_left,
+    validate_step,
+)
 from eaglenest.extraction.validate import CHECK_THREADS
+
+log = logging.getLogger(__name__)
 
 Step = Callable[..., Any]
 """``step(fn, *args, **kwargs)`` runs one step of the loop; the flow's wrapper makes it a Prefect task."""
@@ -181,12 +192,13 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             return r
 
         pool = pool or make_pool(ext)
+        ctx: RunContext | None = None
         t1 = time.perf_counter()
         try:
             step(start_servers, pool)
             stages["launch"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            ctx: RunContext = step(connect, ext, pool, transport=transport)
+            ctx = step(connect, ext, pool, transport=transport)
             stages["connect"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             requeue, todo = [], pending
@@ -209,6 +221,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             # Prefect API may be going down too), and let nothing raised here replace the original exception
             with contextlib.suppress(Exception):
                 pool.stop()
+            _validate_left(ext, ctx, running, phases, stages)
             _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, t1=t1, pool=pool)
             raise
     stages.update(_phase_seconds(phases))
@@ -246,6 +259,23 @@ def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running:
         write_report(ext, prepared, counts, wall_s=now - t0, relaunches=pool.relaunches,
                      servers_launched=pool.launched, phases=stages, rates=phases.rates(), status=status,
                      ended_by=f"{type(error).__name__}: {error}".rstrip(": "), servers=_servers(pool))
+
+
+def _validate_left(ext: Extraction, ctx: RunContext | None, running: Sequence[RoundResult], phases: Phases,
+                   stages: dict[str, float]) -> None:
+    """An interrupted round's answered-but-unvalidated samples, validated now that the servers are stopped (within
+    ``stop_validate_s``; see :func:`~eaglenest.extraction.stream.validate_left`). Never raises: a second signal or
+    a failing check ends it, and what reached the ledger stays."""
+    left = [s for r in running for s in r.unvalidated]
+    if ctx is None or not running or not left or ext.params.stop_validate_s <= 0:
+        return
+    t = time.perf_counter()
+    try:
+        validate_left(ext, ctx, left, running[-1].counts, budget_s=ext.params.stop_validate_s,
+                      phase=phases.validate)
+    except BaseException as e:  # the run is ending by another exception, which the caller re-raises
+        log.warning("validating the %d samples left after the stop ended early: %s", len(left), e)
+    stages["stop_validate"] = time.perf_counter() - t
 
 
 def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:

@@ -364,6 +364,8 @@ class Counts:
     retries: int = 0
     reused_shards: int = 0
     """Shards already present for pending samples (validated without a request)."""
+    validated_after_stop: int = 0
+    """Of ``validated``: shards an interrupted run validated after stopping its servers (stop_validate_s)."""
     tokens: int = 0
     outliers: int = 0
     regenerated: int = 0

@@ -12,9 +12,10 @@ regenerating, captures run in their own lane (``capture_concurrency`` in flight 
 waiting for their shards never hold the generations' slots.
 
 Invariants: an answer is persisted before it is used; a shard already present is validated, never
-requested; an interrupted round leaves answered-but-unvalidated shards for the next run (validated there
-without a request); the validation thread is always stopped before :func:`stream` returns or raises, and
-the round's counts so far are in its :class:`RoundResult` then (also when it raises).
+requested; an interrupted round leaves its answered-but-unvalidated samples in its result (the run validates
+them after stopping its servers, within a bound; the next run validates what is left, without a request); the
+validation thread is always stopped before :func:`stream` returns or raises, and the round's counts so far are
+in its :class:`RoundResult` then (also when it raises).
 """
 
 from __future__ import annotations
@@ -142,6 +143,37 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
     return step
 
 
+STOP_VALIDATE_CHUNK = 256
+"""Samples per chunk when an interrupted run validates what it left (each chunk enters the ledger at once)."""
+
+
+def validate_left(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], counts: Counts, *, budget_s: float,
+                  phase: Phase | None = None, chunk: int = STOP_VALIDATE_CHUNK,
+                  clock: Callable[[], float] = time.monotonic) -> None:
+    """After an interrupted run stopped its servers: validate its answered-but-unvalidated ``samples`` whose shards
+    are present, chunk by chunk into the ledger, until ``budget_s`` has passed; counted into ``counts`` as each
+    chunk is done (so a second interruption keeps what was counted). A shard that never came (its server stopped
+    first) and an invalid one (counted, quarantined) leave their sample pending: the next run asks for it again. On the
+    H100 (2026-12-05, 16 cores beside two SGLang servers) an extraction stopped by its time budget had captured
+    14,669 samples and validated 8,920: the rest waited for a next run that the session had no time for."""
+    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
+    present = [s for s in samples if any((d / contract.shard_filename(s.sample_id)).is_file() for d in dirs)]
+    if not present or budget_s <= 0:
+        return
+    deadline = clock() + budget_s
+    with check_pool(ctx.validate_config) as pool:
+        for i in range(0, len(present), chunk):
+            if clock() >= deadline:
+                break
+            if phase is not None:
+                phase.begin()
+            step = validate_step(ext, ctx, present[i : i + chunk], allow_requeue=False, pool=pool)
+            step.counts.validated_after_stop = step.counts.validated
+            counts.add(step.counts)
+            if phase is not None:
+                phase.mark(step.counts.validated)
+
+
 VALIDATE_THREAD = "extract-validate"
 """The validation thread's name (the PROFILE diagnostics sample it by name)."""
 
@@ -155,6 +187,8 @@ class Validator:
         self.ext, self.ctx, self.phase, self.chunk = ext, ctx, phase, max(4, chunk)
         self.allow_requeue, self.linger_s = allow_requeue, linger_s
         self.counts, self.requeue = Counts(), []
+        self.left: list[Sample] = []
+        """Samples put and not validated when the thread stopped without draining (``close(drain=False)``)."""
         self._q: queue.Queue[Sample | None] = queue.Queue()
         self._error: BaseException | None = None
         self._abandon = False
@@ -167,8 +201,8 @@ class Validator:
         self._q.put(sample)
 
     def close(self, *, drain: bool = True) -> None:
-        """Validate what is queued (``drain``; else leave it to the next run), stop the thread, raise what
-        it raised."""
+        """Validate what is queued (``drain``; else leave it in :attr:`left`, after the chunk in progress), stop
+        the thread, raise what it raised."""
         self._abandon = not drain
         self._q.put(None)
         self._thread.join()
@@ -212,7 +246,12 @@ class Validator:
                     end = True
                 else:
                     batch.append(item)
-            if not batch or self._error is not None or self._abandon:
+            if not batch:
+                continue
+            if self._error is not None:
+                continue
+            if self._abandon:
+                self.left += batch
                 continue
             try:
                 self.phase.begin()
@@ -233,6 +272,9 @@ class RoundResult:
     """Samples whose request failed retryably (server gone): the next round tries them again."""
     failures: dict[str, Failure] = field(default_factory=dict)
     requeue: list[Sample] = field(default_factory=list)
+    unvalidated: list[Sample] = field(default_factory=list)
+    """An interrupted round's answered samples whose shards were not validated (the run may validate them once
+    its servers are stopped: ExtractParams.stop_validate_s)."""
     live: dict[str, int] = field(default_factory=dict)
     """answered / failed (terminal) / retry (retryable: the next round) / tokens / regenerated / skipped (summed
     over rounds in progress), and capturing: captures asked for and not answered yet (queued or in flight; a
@@ -269,6 +311,8 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
                                   on_answer=lambda a: answers_log.write([a.to_json()]),
                                   priority=NEW_CONVERSATION, next_turn_priority=NEXT_TURN)
 
+    asked: dict[str, Sample] = {}  # captures sent or queued, not answered yet (a shard may be written meanwhile)
+
     def capture(s: Sample) -> list[Job]:
         if s.num_tokens > ctx.max_prompt_tokens:
             c.skipped += 1
@@ -282,6 +326,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             validator.put(s)
             return []
         live["capturing"] += 1
+        asked[s.sample_id] = s
         return [Job(s.sample_id, capture_request(s), payload=s, priority=CAPTURE, check=check_capture_answer,
                     lane=capture_lane)]
 
@@ -317,6 +362,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
         if isinstance(o.payload, Sample):  # a capture
             s = o.payload
             live["capturing"] -= 1
+            asked.pop(s.sample_id, None)
             if isinstance(o, Failure):
                 failed(s, o, "prefill")
             else:
@@ -372,6 +418,8 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             # interrupted: shards answered but not validated stay for the next run (it validates them, no request)
             validator.close(drain=ok)
         finally:
+            if not ok:  # what the run may validate once its servers are stopped (those whose shards are present)
+                res.unvalidated = [*validator.left, *asked.values()]
             _settle(res, validator, regenerator, client, phases)
             if on_progress is not None:
                 on_progress(live)

@@ -220,3 +220,44 @@ def test_an_answer_that_arrives_after_a_terminated_round_ends_is_not_used_nor_re
 
     with pytest.raises(AnswerError, match="no text"):  # the engine's own bad answers keep their report
         Regenerator.answered(None, job.payload, {"meta_info": {}})
+
+
+@pytest.mark.parametrize("budget_s", [30.0, 0.0])
+def test_a_terminated_run_validates_what_it_captured_once_its_servers_stop(tiny_extract_params, tiny_runner,
+                                                                         monkeypatch, budget_s):
+    """Validation behind the capture when SIGTERM comes (on the H100, 5,749 of 14,669 captured samples): the run
+    stops its servers, then validates the shards it left within stop_validate_s, so the ledger holds every shard
+    written and the report counts them; with 0 they stay for the next run, as before."""
+    from eaglenest.extraction import stream as stream_mod
+
+    params = with_(tiny_extract_params, batch_size=2, concurrency=2, stop_validate_s=budget_s)
+    ext = open_extraction(params)
+    servers = []
+
+    def make(port):
+        server = ThreadServer(tiny_runner, ext.capture_dir, port)
+        _signal_on_request(server.engine, 12)
+        servers.append(server)
+        return server
+
+    real = stream_mod.validate_step
+
+    def lagging(*args, **kwargs):  # validation slower than the capture while the server runs
+        if servers[0].alive():
+            time.sleep(0.4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stream_mod, "validate_step", lagging)
+    with sigterm_handler(raise_terminated), pytest.raises(Terminated):
+        run_extraction(params, pool=ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30))
+    assert not servers[0].alive()
+    report = json.loads((ext.dir / "report.json").read_text())
+    shards = {p.name for p in ext.capture_dir.glob("*.safetensors")}
+    ledger = ledger_ids(ext.dir) if (ext.dir / "ledger.jsonl").is_file() else []
+    assert report["status"] == "interrupted" and len(shards) >= 6
+    after = report["run"]["validated_after_stop"]
+    if budget_s:
+        assert after > 0 and len(ledger) == len(shards) == report["done"]
+        assert report["pending_detail"]["shard_written"] == 0 and report["run"]["phases_s"]["stop_validate"] > 0
+    else:
+        assert after == 0 and report["pending_detail"]["shard_written"] == len(shards) - len(ledger) > 0
