@@ -219,12 +219,16 @@ class Validator:
     def _validate(self, batch: list[Sample]) -> ValidateStep:
         """One chunk through the round's check pool (started with the first chunk). A check process that died
         (killed for memory, say) breaks a process pool before anything of the chunk is recorded: the chunk is
-        checked again in threads, which serve the rest of the round."""
+        checked again in threads, which serve the rest of the round (not when the round is being abandoned: the
+        chunk joins :attr:`left`)."""
         if self._pool is None:
             self._pool = check_pool(self.ctx.validate_config)
         try:
             return validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue, pool=self._pool)
         except cf.process.BrokenProcessPool as e:
+            if self._abandon:  # the round is ending: its chunk waits for the run's validation after the stop
+                self.left += batch
+                return ValidateStep()
             log.warning("validation: a check process died (%s); checking in threads from here", e)
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = check_pool(dataclasses.replace(self.ctx.validate_config, processes=0))

@@ -310,14 +310,35 @@ def check_pool(config: ValidateConfig) -> cf.Executor:
 
 
 def _start_check_process() -> None:
-    """A check process of a profiled extraction (``EAGLENEST_SAMPLE_PROFILE`` set, inherited from the run) samples
-    its own stack as role ``check``, as the check threads are sampled in the run's process."""
+    """A check process ignores SIGTERM and SIGINT: they go to the whole process group (``timeout``, Ctrl-C in a
+    terminal), and the run that owns the pool decides when its checks end (the pool's shutdown). Before, on the
+    H100 (2026-12-05), ``timeout -s TERM`` killed the check processes with the run; the broken pool sent the chunk
+    in progress (thousands of shards) to threads, and the run had not ended 3.5 minutes later. Nor does one
+    outlive its run killed outright (SIGKILL: the pool's pipes stay open in the workers, so they would wait
+    forever): it ends when the run's process does. A check process of a profiled extraction
+    (``EAGLENEST_SAMPLE_PROFILE`` set, inherited from the run) samples its own stack as role ``check``, as the
+    check threads are sampled in the run's process."""
+    import signal
+
     from eaglenest.engines import ENV_PROFILE_DIR
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_end_with_parent, name="eaglenest-check-parent", daemon=True).start()
 
     if os.environ.get(ENV_PROFILE_DIR):
         from eaglenest.testing import sglang_profiler
 
         sglang_profiler.maybe_start("check")
+
+
+def _end_with_parent() -> None:
+    import multiprocessing as mp
+
+    parent = mp.parent_process()
+    if parent is not None:
+        parent.join()  # returns when the run's process has ended, however it ended
+        os._exit(0)
 
 
 def validate_batch(

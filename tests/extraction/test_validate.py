@@ -353,3 +353,76 @@ def test_a_dead_check_process_sends_its_chunk_and_the_rest_of_the_round_to_threa
     v.close()
     assert pools[:2] == ["ProcessPoolExecutor", "ThreadPoolExecutor"] and set(pools[2:]) <= {"ThreadPoolExecutor"}
     assert v.counts.validated == 6
+
+
+def test_check_processes_outlive_the_signals_sent_to_their_process_group():
+    """``timeout -s TERM`` and Ctrl-C signal the whole process group: the check processes ignore SIGTERM and
+    SIGINT, so the pool is not broken (the run decides when its checks end)."""
+    import signal
+
+    with check_pool(ValidateConfig(processes=1)) as pool:
+        pid = pool.submit(os.getpid).result()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(pid, sig)
+        time.sleep(0.5)
+        assert pool.submit(os.getpid).result(timeout=30) == pid
+
+
+def test_a_check_process_ends_with_its_run_when_the_run_is_killed(tmp_path):
+    """A run killed outright (SIGKILL) leaves no check process behind although they ignore SIGTERM: the pool's
+    pipe closes and the worker exits."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time\n"
+            "from eaglenest.extraction.validate import ValidateConfig, check_pool\n"
+            "pool = check_pool(ValidateConfig(processes=1))\n"
+            "print(pool.submit(os.getpid).result(), flush=True)\n"
+            "time.sleep(60)\n")
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        worker = int(run.stdout.readline())
+        run.kill()
+        run.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail(f"check process {worker} outlived its killed run")
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def test_a_check_pool_broken_while_the_round_ends_leaves_its_chunk_to_the_run(monkeypatch):
+    """A pool that breaks while the round is being abandoned (the run is stopping) does not check the chunk again in
+    threads (minutes for a large chunk): the chunk joins what the run validates after stopping its servers."""
+    from types import SimpleNamespace
+
+    from eaglenest.extraction import stream
+
+    pools = []
+
+    def step(ext, ctx, batch, *, allow_requeue, pool):
+        pools.append(type(pool).__name__)
+        deadline = time.monotonic() + 10
+        while not v._abandon and time.monotonic() < deadline:  # the run stops while this chunk is checked
+            time.sleep(0.01)
+        raise cf.process.BrokenProcessPool("a child process terminated abruptly")
+
+    ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
+    monkeypatch.setattr(stream, "validate_step", step)
+    v = stream.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
+    v.put(sample("s0"))
+    time.sleep(0.2)  # the chunk [s0] is being checked
+    for i in range(1, 4):
+        v.put(sample(f"s{i}"))
+    v.close(drain=False)
+    assert pools == ["ProcessPoolExecutor"]
+    assert sorted(s.sample_id for s in v.left) == ["s0", "s1", "s2", "s3"] and v.counts.validated == 0
