@@ -35,6 +35,12 @@
 # STORE=extraction EXTRACT_S=330-360: 14-18K samples, the cold servers ready after 85-208 s), train (a one-config GRID,
 # TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
+# On an H100 (results/2026-12-05b-h100, seed 6 used; 91 s lost to a refused H200 start first) the same plan gave the
+# weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
+# when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
+# STOP_VALIDATE_S, check processes that ignore the group's SIGTERM) and training had 4 minutes (740 steps; n2 had
+# 1,229 in 5). When time is short, CAPTURE_CALIB=0 (about 150 s: the offline side is then the held-out split alone)
+# buys training minutes; the schedule must finish in TRAIN_MINUTES (TRAIN_TOK_S about 117K on the H100).
 # Continuing (results/2026-12-04b-h200, ~1,670 s): each call carries at most 64 MiB with the working tree (~9 MB), so
 # setup x3 share the kit, gguf1, the answers' parts and the prompt pack, and the drafter's parts (drafter-NAME.tar.part*
 # in .gpu-drafters/parts-NAME/) go part in a setup call, the rest with train (INIT_FROM=parts:NAME); data with the
