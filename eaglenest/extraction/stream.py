@@ -419,7 +419,8 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             if log is not None:
                 log.close()
         try:
-            # interrupted: shards answered but not validated stay for the next run (it validates them, no request)
+            # interrupted: the samples answered and not validated go to res.unvalidated (the run validates them once
+            # its servers are stopped; what is left, the next run, without a request)
             validator.close(drain=ok)
         finally:
             if not ok:  # what the run may validate once its servers are stopped (those whose shards are present)
