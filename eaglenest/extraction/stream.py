@@ -174,6 +174,9 @@ def validate_left(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], c
                 phase.mark(step.counts.validated)
 
 
+RECHECK_PIECE = 64
+"""Samples per piece when a broken process pool's chunk is checked again in threads."""
+
 VALIDATE_THREAD = "extract-validate"
 """The validation thread's name (the PROFILE diagnostics sample it by name)."""
 
@@ -232,7 +235,22 @@ class Validator:
             log.warning("validation: a check process died (%s); checking in threads from here", e)
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = check_pool(dataclasses.replace(self.ctx.validate_config, processes=0))
-            return validate_step(self.ext, self.ctx, batch, allow_requeue=self.allow_requeue, pool=self._pool)
+            return self._in_pieces(batch)
+
+    def _in_pieces(self, batch: list[Sample]) -> ValidateStep:
+        """A broken process pool's chunk, checked again in threads piece by piece: when the round is abandoned
+        meanwhile (a check process killed by the same signal that stops the run), the rest joins :attr:`left` at
+        once instead of keeping the stopping run waiting for the whole chunk."""
+        out = ValidateStep()
+        for i in range(0, len(batch), RECHECK_PIECE):
+            if self._abandon:
+                self.left += batch[i:]
+                break
+            step = validate_step(self.ext, self.ctx, batch[i : i + RECHECK_PIECE], allow_requeue=self.allow_requeue,
+                                 pool=self._pool)
+            out.counts.add(step.counts)
+            out.requeue += step.requeue
+        return out
 
     def _chunks(self) -> None:
         end = False

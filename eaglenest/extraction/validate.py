@@ -313,7 +313,9 @@ def _start_check_process() -> None:
     """A check process ignores SIGTERM and SIGINT: they go to the whole process group (``timeout``, Ctrl-C in a
     terminal), and the run that owns the pool decides when its checks end (the pool's shutdown). Before, on the
     H100 (2026-12-05), ``timeout -s TERM`` killed the check processes with the run; the broken pool sent the chunk
-    in progress (thousands of shards) to threads, and the run had not ended 3.5 minutes later. Nor does one
+    in progress (thousands of shards) to threads, and the run had not ended 3.5 minutes later. (A signal that comes
+    while a check process is still starting, before this runs, still ends it: the Validator then checks in threads,
+    piece by piece, so a stopping run does not wait for a whole chunk.) Nor does one
     outlive its run killed outright (SIGKILL: the pool's pipes stay open in the workers, so they would wait
     forever): it ends when the run's process does. A check process of a profiled extraction
     (``EAGLENEST_SAMPLE_PROFILE`` set, inherited from the run) samples its own stack as role ``check``, as the

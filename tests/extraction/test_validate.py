@@ -426,3 +426,31 @@ def test_a_check_pool_broken_while_the_round_ends_leaves_its_chunk_to_the_run(mo
     v.close(drain=False)
     assert pools == ["ProcessPoolExecutor"]
     assert sorted(s.sample_id for s in v.left) == ["s0", "s1", "s2", "s3"] and v.counts.validated == 0
+
+
+def test_a_chunk_checked_again_in_threads_stops_between_pieces_when_the_round_ends(monkeypatch):
+    """The pool broke first (a check process killed while starting, by the signal that stops the run) and the chunk
+    is being checked again in threads: once the round is abandoned, the pieces not checked yet join ``left``."""
+    from types import SimpleNamespace
+
+    from eaglenest.extraction import stream
+    from eaglenest.extraction.state import Counts
+
+    pieces = []
+
+    def step(ext, ctx, batch, *, allow_requeue, pool):
+        if isinstance(pool, cf.ProcessPoolExecutor):
+            raise cf.process.BrokenProcessPool("a child process terminated abruptly")
+        pieces.append(len(batch))
+        if len(pieces) == 2:
+            v._abandon = True  # the run stops while the second piece is checked
+        return stream.ValidateStep(counts=Counts(validated=len(batch)))
+
+    monkeypatch.setattr(stream, "validate_step", step)
+    monkeypatch.setattr(stream, "RECHECK_PIECE", 4)
+    ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
+    v = stream.Validator(None, ctx, stream.Phase(), chunk=20, allow_requeue=True, linger_s=0.0)
+    chunk = [sample(f"s{i}") for i in range(20)]
+    v._validate(chunk)  # (the thread is idle: nothing was put)
+    v.close()
+    assert pieces == [4, 4] and [s.sample_id for s in v.left] == [f"s{i}" for i in range(8, 20)]
