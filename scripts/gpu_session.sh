@@ -57,7 +57,7 @@
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
-# finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 140000: one config alone; less for two at once), TRAIN_MINUTES (8.5,
+# finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 140000 on an H200, 115000 on an H100: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
@@ -313,13 +313,16 @@ train)
   # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01); 108.4K at 32K
   # tokens per step (vocab 16000) beside 73.5K at 16K (vocab 32000), two at once (2026-12-02e): size for the slower;
   # 143.6K alone at gpu_sweep's 32K tokens a step (vocab 32000, 2026-12-04)
+  # TRAIN_TOK_S by card when not given: 116.9K tok/s on the H100 (n5, 2026-12-05), 143.6K on the H200 (n2, 2026-12-04)
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
+  case "$card" in *H100*) tok_s=${TRAIN_TOK_S:-115000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;; esac
   epochs=${EPOCHS:-$(python3 -c "
 import math
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.store.extraction import open_samples
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
 tokens = int(open_samples('$TRAIN_DATA', check_sha256=False).num_tokens.sum()) * (1 - held)
-print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * ${TRAIN_TOK_S:-140000} / tokens) / 10))")}
+print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / tokens) / 10))")}
   echo "training $epochs epochs" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step, at
   # gpu_sweep's tokens a step; 0.68 of the tokens under the loss, as in the 2026-12-04 extraction). That day's
