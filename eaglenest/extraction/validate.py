@@ -89,6 +89,10 @@ class ValidateConfig:
     """Check shards in this many worker processes instead of ``workers`` threads (0 = threads). Beside a busy
     request loop each numpy or hashlib call of a thread waits for the GIL again; a process never does
     (:func:`default_check_processes`)."""
+    process_batch: int = 16
+    """Shards per task sent to a check process (``chunksize`` of its map). Each task's submission, pickling and
+    result pass through the run's process, whose threads wait for the GIL while the request loop holds it: one
+    task per shard made that per-shard (scripts/bench_validate.py --pools)."""
 
 
 def default_check_processes(engine: str, cpus: int | None = None) -> int:
@@ -370,7 +374,8 @@ def validate_batch(
     keep_rows = lm_head is not None
     todo = [s for s in samples if found[s.sample_id] is not None]
     check = functools.partial(_check_file, expect=expect, config=config, keep_rows=keep_rows)
-    checks = pool.map(check, todo, [found[s.sample_id] for s in todo])
+    per_task = max(1, config.process_batch) if isinstance(pool, cf.ProcessPoolExecutor) else 1
+    checks = pool.map(check, todo, [found[s.sample_id] for s in todo], chunksize=per_task)
     results: dict[str, _Checked | InvalidShard] = {}
     group: list[str] = []  # the argmax of each group of checked regenerated samples runs while the pool checks on
     rows = 0
