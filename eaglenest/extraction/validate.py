@@ -92,7 +92,8 @@ class ValidateConfig:
     process_batch: int = 16
     """Shards per task sent to a check process (``chunksize`` of its map). Each task's submission, pickling and
     result pass through the run's process, whose threads wait for the GIL while the request loop holds it: one
-    task per shard made that per-shard (scripts/bench_validate.py --pools)."""
+    task per shard made that per-shard (scripts/bench_validate.py --pools). A chunk of fewer than
+    ``2 * processes * process_batch`` shards is cut finer, two tasks per process."""
 
 
 def default_check_processes(engine: str, cpus: int | None = None) -> int:
@@ -374,7 +375,9 @@ def validate_batch(
     keep_rows = lm_head is not None
     todo = [s for s in samples if found[s.sample_id] is not None]
     check = functools.partial(_check_file, expect=expect, config=config, keep_rows=keep_rows)
-    per_task = max(1, config.process_batch) if isinstance(pool, cf.ProcessPoolExecutor) else 1
+    per_task = 1  # (threads: map ignores it) a few tasks per process at least, so that a small chunk is spread out
+    if isinstance(pool, cf.ProcessPoolExecutor):
+        per_task = max(1, min(config.process_batch, len(todo) // (2 * max(1, config.processes))))
     checks = pool.map(check, todo, [found[s.sample_id] for s in todo], chunksize=per_task)
     results: dict[str, _Checked | InvalidShard] = {}
     group: list[str] = []  # the argmax of each group of checked regenerated samples runs while the pool checks on
