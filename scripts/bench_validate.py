@@ -27,6 +27,7 @@ from collections.abc import Callable
 from eaglenest import contract
 from eaglenest.data import Sample
 from eaglenest.extraction import validate as v
+from eaglenest.extraction.checking import check_pool
 from eaglenest.testing.fake_store import fake_provenance, fake_shard
 
 
@@ -138,7 +139,7 @@ def pools(a: argparse.Namespace) -> None:
                                                                   process_batch=a.process_batch)
     rates: dict[str, list[float]] = {k: [] for k in sides}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        execs = {k: stack.enter_context(v.check_pool(c)) for k, c in sides.items()}
+        execs = {k: stack.enter_context(check_pool(c)) for k, c in sides.items()}
         for r in range(-1, a.rounds):  # round -1 warms up (the processes start and import at their first task)
             for k, cfg in sides.items():  # alternating, fresh files each time (validation moves nothing here)
                 ext = Path(tmp) / f"{k}-{r}"

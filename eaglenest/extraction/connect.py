@@ -19,12 +19,13 @@ from eaglenest import contract
 from eaglenest.data.chat import ChatEncoder
 from eaglenest.engines.preflight import Preflight, PreflightError, preflight
 from eaglenest.engines.server_pool import LaunchSpec, ServerPool
+from eaglenest.extraction.checking import default_check_processes
 from eaglenest.extraction.client import ClientConfig, EngineClient
 from eaglenest.extraction.lm_head import load_lm_head
 from eaglenest.extraction.prefill import CAPTURE_LANE
 from eaglenest.extraction.regenerate import RegenConfig
 from eaglenest.extraction.state import ConfigChanged, Extraction
-from eaglenest.extraction.validate import Expectation, ValidateConfig, default_check_processes
+from eaglenest.extraction.validate import Expectation, ValidateConfig
 
 
 @dataclass

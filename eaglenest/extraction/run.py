@@ -45,18 +45,11 @@ from eaglenest.data.samples import Sample
 from eaglenest.engines import ENV_PROFILE_DIR
 from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
+from eaglenest.extraction.checking import CHECK_THREADS
 from eaglenest.extraction.connect import RunContext, after_revive, connect, make_pool
 from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
-from eaglenest.extraction.stream import (
-    VALIDATE_THREAD,
-    Phases,
-    RoundResult,
-    problem,
-    stream,
-    validate_left,
-    validate_step,
-)
-from eaglenest.extraction.validate import CHECK_THREADS
+from eaglenest.extraction.stream import Phases, RoundResult, stream
+from eaglenest.extraction.validator import VALIDATE_THREAD, problem, validate_left, validate_step
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +257,7 @@ def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running:
 def _validate_left(ext: Extraction, ctx: RunContext | None, running: Sequence[RoundResult], phases: Phases,
                    stages: dict[str, float]) -> None:
     """An interrupted round's answered-but-unvalidated samples, validated now that the servers are stopped (within
-    ``stop_validate_s``; see :func:`~eaglenest.extraction.stream.validate_left`). Never raises: a second signal or
+    ``stop_validate_s``; see :func:`~eaglenest.extraction.validator.validate_left`). Never raises: a second signal or
     a failing check ends it, and what reached the ledger stays."""
     left = [s for r in running for s in r.unvalidated]
     if ctx is None or not running or not left or ext.params.stop_validate_s <= 0:

@@ -35,6 +35,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest.data.samples import Sample
+from eaglenest.extraction.checking import check_pool
 from eaglenest.extraction.ledger import LedgerEntry
 from eaglenest.extraction.lm_head import ARGMAX_GROUP_ROWS, answer_rows, argmax_agreement, argmax_hits
 
@@ -70,10 +71,6 @@ class Expectation:
         return replace(self, provenance=p)
 
 
-CHECK_THREADS = "extract-check"
-"""Name prefix of the threads that read and check shards (the profiler's ``check`` role samples them)."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidateConfig:
     shard_wait_s: float = 30.0
@@ -88,23 +85,12 @@ class ValidateConfig:
     processes: int = 0
     """Check shards in this many worker processes instead of ``workers`` threads (0 = threads). Beside a busy
     request loop each numpy or hashlib call of a thread waits for the GIL again; a process never does
-    (:func:`default_check_processes`)."""
+    (:func:`eaglenest.extraction.checking.default_check_processes`)."""
     process_batch: int = 16
     """Shards per task sent to a check process (``chunksize`` of its map). Each task's submission, pickling and
     result pass through the run's process, whose threads wait for the GIL while the request loop holds it: one
     task per shard made that per-shard (scripts/bench_validate.py --pools). A chunk of fewer than
     ``2 * processes * process_batch`` shards is cut finer, two tasks per process."""
-
-
-def default_check_processes(engine: str, cpus: int | None = None) -> int:
-    """Worker processes for shard checks when the run does not say: a GPU engine's host (SGLang; 8 or more cores)
-    checks in processes, half its cores up to 8, because the request loop of 1,024 generations in flight keeps
-    the GIL busy (on the H200, 2026-12-04b: 8 check threads validated 79 shards/s while 120/s were captured, and
-    the run's budget ended with 10,604 of 18,361 captured shards validated); the embedded engine computes on the
-    same few cores, so its checks stay in threads."""
-    if cpus is None:
-        cpus = os.cpu_count() or 1
-    return min(8, cpus // 2) if engine == "sglang" and cpus >= 8 else 0
 
 
 class InvalidShard(Exception):
@@ -303,51 +289,6 @@ def _check_file(sample: Sample, path: Path, *, expect: Expectation, config: Vali
     return _Checked(shard.provenance, stats, contract.sha256_bytes(data), len(data), rows)
 
 
-def check_pool(config: ValidateConfig) -> cf.Executor:
-    """The executor that checks shards: ``config.processes`` worker processes (spawned: the caller may hold CUDA
-    and threads), else ``config.workers`` threads. One per run; :func:`validate_batch` takes it as ``pool``."""
-    if config.processes > 0:
-        import multiprocessing as mp
-
-        return cf.ProcessPoolExecutor(config.processes, mp_context=mp.get_context("spawn"),
-                                      initializer=_start_check_process)
-    return cf.ThreadPoolExecutor(max(1, config.workers), thread_name_prefix=CHECK_THREADS)
-
-
-def _start_check_process() -> None:
-    """A check process ignores SIGTERM and SIGINT: they go to the whole process group (``timeout``, Ctrl-C in a
-    terminal), and the run that owns the pool decides when its checks end (the pool's shutdown). Before, on the
-    H100 (2026-12-05), ``timeout -s TERM`` killed the check processes with the run; the broken pool sent the chunk
-    in progress (thousands of shards) to threads, and the run had not ended 3.5 minutes later. (A signal that comes
-    while a check process is still starting, before this runs, still ends it: the Validator then checks in threads,
-    piece by piece, so a stopping run does not wait for a whole chunk.) Nor does one
-    outlive its run killed outright (SIGKILL: the pool's pipes stay open in the workers, so they would wait
-    forever): it ends when the run's process does. A check process of a profiled extraction
-    (``EAGLENEST_SAMPLE_PROFILE`` set, inherited from the run) samples its own stack as role ``check``, as the
-    check threads are sampled in the run's process."""
-    import signal
-
-    from eaglenest.engines import ENV_PROFILE_DIR
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_end_with_parent, name="eaglenest-check-parent", daemon=True).start()
-
-    if os.environ.get(ENV_PROFILE_DIR):
-        from eaglenest.testing import sglang_profiler
-
-        sglang_profiler.maybe_start("check")
-
-
-def _end_with_parent() -> None:
-    import multiprocessing as mp
-
-    parent = mp.parent_process()
-    if parent is not None:
-        parent.join()  # returns when the run's process has ended, however it ended
-        os._exit(0)
-
-
 def validate_batch(
     samples: Sequence[Sample], *, extraction_dir: str | Path, expect: Expectation,
     server_capture_dirs: Sequence[str | Path] = (), config: ValidateConfig | None = None,
@@ -358,7 +299,7 @@ def validate_batch(
 
     Shards are looked up in ``<extraction>/capture`` and then in ``server_capture_dirs``; a valid
     shard found elsewhere is moved into the extraction's capture folder. ``pool`` checks the shards (default:
-    a :func:`check_pool` of ``config`` for this batch alone).
+    a :func:`~eaglenest.extraction.checking.check_pool` of ``config`` for this batch alone).
     """
     config = config or ValidateConfig()
     if pool is None:

@@ -228,7 +228,7 @@ def test_a_terminated_run_validates_what_it_captured_once_its_servers_stop(tiny_
     """Validation behind the capture when SIGTERM comes (on the H100, 5,749 of 14,669 captured samples): the run
     stops its servers, then validates the shards it left within stop_validate_s, so the ledger holds every shard
     written and the report counts them; with 0 they stay for the next run, as before."""
-    from eaglenest.extraction import stream as stream_mod
+    from eaglenest.extraction import validator
 
     params = with_(tiny_extract_params, batch_size=2, concurrency=2, stop_validate_s=budget_s)
     ext = open_extraction(params)
@@ -240,14 +240,14 @@ def test_a_terminated_run_validates_what_it_captured_once_its_servers_stop(tiny_
         servers.append(server)
         return server
 
-    real = stream_mod.validate_step
+    real = validator.validate_step
 
     def lagging(*args, **kwargs):  # validation slower than the capture while the server runs
         if servers[0].alive():
             time.sleep(0.4)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stream_mod, "validate_step", lagging)
+    monkeypatch.setattr(validator, "validate_step", lagging)
     with sigterm_handler(raise_terminated), pytest.raises(Terminated):
         run_extraction(params, pool=ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30))
     assert not servers[0].alive()

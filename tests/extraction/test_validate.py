@@ -12,14 +12,9 @@ from safetensors.torch import save as st_save
 
 from eaglenest import contract
 from eaglenest.data import Sample
+from eaglenest.extraction.checking import check_pool, default_check_processes
 from eaglenest.extraction.lm_head import argmax_agreement, argmax_agreements
-from eaglenest.extraction.validate import (
-    Expectation,
-    ValidateConfig,
-    check_pool,
-    default_check_processes,
-    validate_batch,
-)
+from eaglenest.extraction.validate import Expectation, ValidateConfig, validate_batch
 
 H, AUX = 16, (1, 3, 4)
 
@@ -334,7 +329,7 @@ def test_a_dead_check_process_sends_its_chunk_and_the_rest_of_the_round_to_threa
     again in threads, and the later chunks too; nothing is lost or counted twice."""
     from types import SimpleNamespace
 
-    from eaglenest.extraction import stream
+    from eaglenest.extraction import stream, validator
     from eaglenest.extraction.state import Counts
 
     pools = []
@@ -343,11 +338,11 @@ def test_a_dead_check_process_sends_its_chunk_and_the_rest_of_the_round_to_threa
         pools.append(type(pool).__name__)
         if isinstance(pool, cf.ProcessPoolExecutor):
             raise cf.process.BrokenProcessPool("a child process terminated abruptly")
-        return stream.ValidateStep(counts=Counts(validated=len(batch)))
+        return validator.ValidateStep(counts=Counts(validated=len(batch)))
 
-    monkeypatch.setattr(stream, "validate_step", step)
+    monkeypatch.setattr(validator, "validate_step", step)
     ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
-    v = stream.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
+    v = validator.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
     for i in range(6):
         v.put(sample(f"s{i}"))
     v.close()
@@ -376,7 +371,8 @@ def test_a_check_process_ends_with_its_run_when_the_run_is_killed(tmp_path):
     import sys
 
     code = ("import os, sys, time\n"
-            "from eaglenest.extraction.validate import ValidateConfig, check_pool\n"
+            "from eaglenest.extraction.checking import check_pool\n"
+            "from eaglenest.extraction.validate import ValidateConfig\n"
             "pool = check_pool(ValidateConfig(processes=1))\n"
             "print(pool.submit(os.getpid).result(), flush=True)\n"
             "time.sleep(60)\n")
@@ -405,7 +401,7 @@ def test_a_check_pool_broken_while_the_round_ends_leaves_its_chunk_to_the_run(mo
     threads (minutes for a large chunk): the chunk joins what the run validates after stopping its servers."""
     from types import SimpleNamespace
 
-    from eaglenest.extraction import stream
+    from eaglenest.extraction import stream, validator
 
     pools = []
 
@@ -417,8 +413,8 @@ def test_a_check_pool_broken_while_the_round_ends_leaves_its_chunk_to_the_run(mo
         raise cf.process.BrokenProcessPool("a child process terminated abruptly")
 
     ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
-    monkeypatch.setattr(stream, "validate_step", step)
-    v = stream.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
+    monkeypatch.setattr(validator, "validate_step", step)
+    v = validator.Validator(None, ctx, stream.Phase(), chunk=4, allow_requeue=True, linger_s=0.0)
     v.put(sample("s0"))
     time.sleep(0.2)  # the chunk [s0] is being checked
     for i in range(1, 4):
@@ -433,7 +429,7 @@ def test_a_chunk_checked_again_in_threads_stops_between_pieces_when_the_round_en
     is being checked again in threads: once the round is abandoned, the pieces not checked yet join ``left``."""
     from types import SimpleNamespace
 
-    from eaglenest.extraction import stream
+    from eaglenest.extraction import stream, validator
     from eaglenest.extraction.state import Counts
 
     pieces = []
@@ -444,12 +440,12 @@ def test_a_chunk_checked_again_in_threads_stops_between_pieces_when_the_round_en
         pieces.append(len(batch))
         if len(pieces) == 2:
             v._abandon = True  # the run stops while the second piece is checked
-        return stream.ValidateStep(counts=Counts(validated=len(batch)))
+        return validator.ValidateStep(counts=Counts(validated=len(batch)))
 
-    monkeypatch.setattr(stream, "validate_step", step)
-    monkeypatch.setattr(stream, "RECHECK_PIECE", 4)
+    monkeypatch.setattr(validator, "validate_step", step)
+    monkeypatch.setattr(validator, "RECHECK_PIECE", 4)
     ctx = SimpleNamespace(validate_config=ValidateConfig(processes=1))
-    v = stream.Validator(None, ctx, stream.Phase(), chunk=20, allow_requeue=True, linger_s=0.0)
+    v = validator.Validator(None, ctx, stream.Phase(), chunk=20, allow_requeue=True, linger_s=0.0)
     chunk = [sample(f"s{i}") for i in range(20)]
     v._validate(chunk)  # (the thread is idle: nothing was put)
     v.close()
