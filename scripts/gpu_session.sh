@@ -35,6 +35,8 @@
 # STORE=extraction EXTRACT_S=330-360: 14-18K samples, the cold servers ready after 85-208 s), train (a one-config GRID,
 # TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
+# Untested on the GPU yet: SELF_COUNT=14000 SELF_SEED=N STARTER_SET="kinds code" SOURCE=train-1tc.jsonl.xz on the data
+# call instead of a prompts call (the extraction's servers write the prompts first: one launch, about 100 s less).
 # On an H100 (results/2026-12-05b-h100, seed 6 used; 91 s lost to a refused H200 start first) the same plan gave the
 # weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
 # when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
@@ -171,6 +173,7 @@ data)
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
   tag="$(basename "$src" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
+  if [ "${SELF_COUNT:-0}" -gt 0 ]; then tag="$tag-self${SELF_SEED:-0}x$SELF_COUNT"; fi
   # ANSWERS_FROM=TAG: the answers of a run with other turns or limit (e.g. train-mtx-t3-l15432 for MAX_TURNS=8): only
   # answers.jsonl is taken, so each turn it holds is replayed and the later turns are generated in their context
   from=${ANSWERS_FROM:-$tag}; only=(); [ "$from" = "$tag" ] || only=(answers.jsonl)
@@ -203,10 +206,16 @@ data)
           pkill -TERM -f "^python3 -m eaglenest extract" || true; break; fi
       done ) &
     local guard=$!
+    # SELF_COUNT (data): the extraction's own servers write that many prompts first (SELF_SEED, STARTER_SET as in
+    # the prompts step), answered before SOURCE's records: one launch instead of the prompts call's and this one's
+    local own=(); if [ "${SELF_COUNT:-0}" -gt 0 ]; then
+      own=(--self-prompts "$SELF_COUNT" --self-seed "${SELF_SEED:-0}" --self-exclude-file .gpu/eval-user-texts.json)
+      for set in ${STARTER_SET-kinds}; do own+=(--self-starter-set "$set"); done
+    fi
     run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/$src" \
       --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size "${VALIDATE_CHUNK:-512}" --stop-validate-s "${STOP_VALIDATE_S:-60}" \
-      --output-dir /tmp/ext --extraction-id regen \
+      ${own[@]+"${own[@]}"} --output-dir /tmp/ext --extraction-id regen \
       "${SGL[@]}" --sglang-arg=--mem-fraction-static --sglang-arg=0.7 --sglang-arg=--chunked-prefill-size \
       "--sglang-arg=${CHUNKED_PREFILL:-8192}" 2> >(tee -a "$R/extract-progress.txt" >&2) || { local rc=$?; kill "$guard" 2>/dev/null || true
                                                                       [ -z "$dmon" ] || kill "$dmon"; return $rc; }
@@ -222,6 +231,7 @@ data)
     fi
   fi
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
+  cp /tmp/ext/regen/self-prompts.json "$R/" 2>/dev/null || true  # (SELF_COUNT: what the target wrote)
   # SGLang's own view of the extraction: its batch lines (running requests, tokens, throughput per window), its
   # arguments and CUDA-graph capture, to tell a starved decode batch from a slow one
   for f in /tmp/ext/regen/logs/server-*.log; do

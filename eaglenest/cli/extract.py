@@ -27,6 +27,10 @@ EXTRACT_FLAGS = {
     "regeneration.temperature": "--regen-temperature", "regeneration.top_p": "--regen-top-p",
     "regeneration.max_new_tokens": "--regen-max-new-tokens", "regeneration.seed": "--regen-seed",
     "regeneration.cut_answers": "--regen-cut-answers",
+    "self_prompts.count": "--self-prompts", "self_prompts.seed": "--self-seed",
+    "self_prompts.temperature": "--self-temperature", "self_prompts.top_p": "--self-top-p",
+    "self_prompts.max_new_tokens": "--self-max-new-tokens", "self_prompts.starter_sets": "--self-starter-set",
+    "self_prompts.exclude_prompt_sets": "--self-exclude-prompt-set", "self_prompts.exclude_file": "--self-exclude-file",
 }
 """Option names that differ from the field names (shorter, or singular for repeatable options)."""
 

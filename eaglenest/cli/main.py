@@ -194,29 +194,17 @@ def prompts_self(
 
     from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
     from eaglenest.extraction.client import ClientConfig
-    from eaglenest.extraction.self_prompts import STARTER_SETS, SelfPromptConfig, self_prompts
+    from eaglenest.extraction.self_prompts import SelfPromptConfig, exclusions, self_prompts, starters_of
     from eaglenest.models import resolve_model
-    from eaglenest.speculative.prompts import user_texts
 
-    for name in starter_set or ():
-        if name not in STARTER_SETS:
-            raise errors.UsageError(f"--starter-set {name!r}: not a built-in set (have: {', '.join(STARTER_SETS)})")
-    starters = tuple(starter or ()) + tuple(s for name in starter_set or () for s in STARTER_SETS[name])
     model_dir = resolve_model(model)
     try:
+        starters = starters_of(starter_set or (), starter or (), name="--starter-set")
         cfg = SelfPromptConfig(count=count, seed=seed, temperature=temperature, top_p=top_p,
                                max_new_tokens=max_new_tokens, starters=starters)
+        exclude = exclusions(exclude_prompt_set or (), exclude_file, name="--exclude-file")
     except ValueError as e:
         raise errors.UsageError(str(e)) from None
-    exclude = user_texts(exclude_prompt_set or [])
-    if exclude_file is not None:
-        try:
-            texts = json.loads(exclude_file.read_text())
-        except json.JSONDecodeError as e:
-            raise errors.UsageError(f"--exclude-file {exclude_file}: not JSON ({e})") from None
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise errors.UsageError(f"--exclude-file {exclude_file}: expected a JSON list of strings")
-        exclude |= {t.strip() for t in texts}
     with contextlib.ExitStack() as stack:
         urls = list(server_url or [])
         if not urls:

@@ -51,6 +51,38 @@ class RegenerationParams(BaseModel):
         return out
 
 
+class SelfPromptParams(BaseModel):
+    """Let the target write user prompts too, through the run's own servers, before it answers them (one launch
+    for both; ``eaglenest prompts self`` is the same as a command of its own)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=show_bounds)
+
+    count: int = Field(0, ge=0, le=1_000_000, description=(
+        "User prompts to ask the target for before the source's records (0 = none). The kept ones are written "
+        "once to the extraction's self-prompts.jsonl.xz; a resumed run reuses them."))
+    seed: int = Field(0, ge=0, description="Base seed (prompt i has its own; a new seed asks for new prompts).")
+    temperature: float = Field(1.0, gt=0.0, le=5.0, description="Sampling temperature (> 0).")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(256, ge=1, le=4096, description="A longer prompt is cut and left out.")
+    starter_sets: list[str] = Field(default_factory=list, description=(
+        "Built-in sets of openings the target continues, taken in turn ('kinds': writing, roleplay, reasoning, "
+        "math, coding, extraction, STEM, humanities; 'code': functions to complete, scripts, queries)."))
+    exclude_prompt_sets: list[str] = Field(default_factory=list, description=(
+        "Leave out prompts equal to a user turn of these evaluation sets (mt-bench, humaneval, sharegpt)."))
+    exclude_file: str | None = Field(None, description=(
+        "The same from a JSON list of user texts (machines without the evaluation sets' packages)."))
+
+    @model_validator(mode="after")
+    def _check(self) -> SelfPromptParams:
+        from eaglenest.extraction.self_prompts import starters_of
+
+        starters_of(self.starter_sets, name="starter_sets:")
+        return self
+
+    def identity(self) -> dict | None:
+        return self.model_dump() if self.count else None
+
+
 def default_capture_concurrency(concurrency: int) -> int:
     """Capture requests in flight per server beside ``concurrency`` generations, when not given."""
     return max(1, concurrency // 4)
@@ -99,6 +131,8 @@ class ExtractParams(BaseModel):
     context_headroom: int = Field(8, ge=0, le=4096, description="Tokens kept free below the context length.")
     regeneration: RegenerationParams = Field(default_factory=RegenerationParams, description=(
         "Let the target answer the prompts itself (off: capture the source's own answers)."))
+    self_prompts: SelfPromptParams = Field(default_factory=SelfPromptParams, description=(
+        "Let the target write user prompts as well, answered before the source's records (needs regeneration)."))
     extraction_id: str | None = Field(None, pattern=ID_PATTERN, description=(
         "Name of the extraction folder; default = a hash of the content-defining parameters, so the same "
         "request resumes the same extraction."))
@@ -159,6 +193,9 @@ class ExtractParams(BaseModel):
         if self.partition_index >= self.partition_count:
             raise ValueError(f"partition_index: {self.partition_index} is not below partition_count "
                              f"({self.partition_count})")
+        if self.self_prompts.count and not self.regeneration.enabled:
+            raise ValueError("self_prompts: the target's own prompts come without answers; they need "
+                             "regeneration.enabled (the regenerate recipe)")
         if self.min_argmax_agreement is not None and not self.regeneration.enabled:
             raise ValueError("min_argmax_agreement: only applies with regeneration.enabled")
         return self
@@ -187,6 +224,7 @@ class ExtractParams(BaseModel):
             "max_tokens": self.max_tokens, "context_headroom": self.context_headroom,
             "regeneration": self.regeneration.identity() if self.regeneration.enabled else None,
             **({"partition": [self.partition_index, self.partition_count]} if self.partition_count > 1 else {}),
+            **({"self_prompts": self.self_prompts.identity()} if self.self_prompts.count else {}),
         }
 
     def resolved_extraction_id(self) -> str:

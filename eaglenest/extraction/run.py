@@ -47,7 +47,17 @@ from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.checking import CHECK_THREADS
 from eaglenest.extraction.connect import RunContext, after_revive, connect, make_pool
-from eaglenest.extraction.state import Counts, Extraction, Prepared, open_extraction, plan, prepare, write_report
+from eaglenest.extraction.self_prompts import ask_for_extraction
+from eaglenest.extraction.state import (
+    SELF_PROMPTS,
+    Counts,
+    Extraction,
+    Prepared,
+    open_extraction,
+    plan,
+    prepare,
+    write_report,
+)
 from eaglenest.extraction.stream import Phases, RoundResult, stream
 from eaglenest.extraction.validator import VALIDATE_THREAD, problem, validate_left, validate_step
 
@@ -109,10 +119,38 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
         sglang_profiler.maybe_start("check", thread_name=CHECK_THREADS + "*")
     ext = step(open_extraction, params)
     with ext.lock(), quick_gil_handoff():
-        prepared: Prepared = step(prepare, ext)
-        pending = step(plan, ext, prepared)
-        return _run(ext, prepared, pending, t0=t0, on_progress=on_progress, pool=pool, transport=transport,
-                    step=step)
+        stages: dict[str, float] = {}
+        if params.self_prompts.count and not ext.path(SELF_PROMPTS).is_file():
+            pool = pool or make_pool(ext)  # the run's servers, started early: they stay for its rounds
+            t1 = time.perf_counter()
+            try:
+                step(start_servers, pool)
+                stages["launch"] = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                step(ask_self_prompts, ext, pool)
+                stages["self_prompts"] = time.perf_counter() - t1
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    pool.stop()
+                raise
+        t1 = time.perf_counter()
+        try:
+            prepared: Prepared = step(prepare, ext)
+            pending = step(plan, ext, prepared)
+        except BaseException:
+            if "launch" in stages:
+                with contextlib.suppress(Exception):
+                    pool.stop()
+            raise
+        stages["prepare"] = time.perf_counter() - t1
+        return _run(ext, prepared, pending, t0=t0, stages=stages, on_progress=on_progress, pool=pool,
+                    transport=transport, step=step)
+
+
+def ask_self_prompts(ext: Extraction, pool: ServerPool) -> dict:
+    """The target writes the extraction's own prompts on the run's servers (ExtractParams.self_prompts)."""
+    return ask_for_extraction(ext.dir, ext.model_dir, ext.params.self_prompts, pool.urls,
+                              concurrency=ext.params.concurrency)
 
 
 GIL_SWITCH_S = 0.001
@@ -146,11 +184,13 @@ _handoff: dict[str, float] = {"users": 0, "before": 0.0}
 """Extractions running in this process, and the switch interval from before the first of them."""
 
 
-def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float,
+def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float, stages: dict[str, float],
          on_progress: Callable[[Progress], None] | None, pool: ServerPool | None,
          transport: httpx.AsyncBaseTransport | None, step: Step) -> dict:
+    """``stages``: what ran before (prepare; launch and self_prompts when the servers started early)."""
     params = ext.params
-    counts, phases, stages = Counts(), Phases(), {"prepare": time.perf_counter() - t0}
+    counts, phases = Counts(), Phases()
+    started = "launch" in stages
     relaunches = launched = 0
     servers: dict | None = None
     done_before = len(prepared.samples) - len(pending)
@@ -188,8 +228,9 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
         ctx: RunContext | None = None
         t1 = time.perf_counter()
         try:
-            step(start_servers, pool)
-            stages["launch"] = time.perf_counter() - t1
+            if not started:
+                step(start_servers, pool)
+                stages["launch"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             ctx = step(connect, ext, pool, transport=transport)
             stages["connect"] = time.perf_counter() - t1
@@ -217,6 +258,8 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             _validate_left(ext, ctx, running, phases, stages)
             _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, t1=t1, pool=pool)
             raise
+    elif started:  # the servers wrote the prompts, and nothing is left to extract (every sample done before)
+        step(stop_servers, pool)
     stages.update(_phase_seconds(phases))
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
                 servers_launched=launched, phases=stages, rates=phases.rates(), servers=servers)

@@ -23,8 +23,10 @@ evaluation prompt set; every other one is counted by its reason. Records are ``{
 
 from __future__ import annotations
 
-import asyncio
+import json
+import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ import httpx
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.data.chat import ChatEncoder, SampleError
 from eaglenest.data.sources import Message, write_jsonl
+from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Job
 
 _MARK = "\u2063eaglenest-user-turn\u2063"
@@ -179,7 +182,8 @@ def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfProm
     encoder = ChatEncoder(model_dir)
     prefix = user_turn_prefix(encoder)
     engine = EngineClient(server_urls, config=client or ClientConfig(concurrency=64), transport=transport)
-    outcomes = asyncio.run(engine.run(prompt_jobs(prefix, config, encoder)))
+    jobs = prompt_jobs(prefix, config, encoder)
+    outcomes = run_sync(lambda: engine.run(jobs))  # (a SIGTERM always ends it: see aio)
     answers = [(o.payload, o.body) for o in outcomes if isinstance(o, Answer)]
     failed = Counter(o.reason for o in outcomes if not isinstance(o, Answer))
     records, skipped = keep_prompts(answers, config, exclude=exclude)
@@ -190,3 +194,48 @@ def self_prompts(server_urls: list[str], model_dir: str | Path, config: SelfProm
     return {"asked": config.count, "kept": len(records), "skipped": dict(skipped), "failed": dict(failed),
             "generated_tokens": generated, "requests": engine.stats.requests, "starters": len(config.starters),
             "out": str(out)}
+
+
+def exclusions(prompt_sets: Sequence[str] = (), file: str | Path | None = None, *,
+               name: str = "exclude file") -> set[str]:
+    """User texts a self prompt must not equal: those of evaluation ``prompt_sets`` and of ``file`` (a JSON list
+    of strings). Raises ValueError naming ``name`` (the option or field) and what is wrong with ``file``."""
+    from eaglenest.speculative.prompts import user_texts
+
+    out = set(user_texts(list(prompt_sets)))
+    if file is not None:
+        try:
+            texts = json.loads(Path(file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{name} {file}: not readable JSON ({e})") from None
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"{name} {file}: expected a JSON list of strings")
+        out |= {t.strip() for t in texts}
+    return out
+
+
+def starters_of(sets: Sequence[str], own: Sequence[str] = (), *, name: str = "starter set") -> tuple[str, ...]:
+    """``own`` openings, then those of the built-in ``sets`` (ValueError naming ``name`` for one not built in)."""
+    for s in sets:
+        if s not in STARTER_SETS:
+            raise ValueError(f"{name} {s!r}: not a built-in set (have: {', '.join(STARTER_SETS)})")
+    return tuple(own) + tuple(s for n in sets for s in STARTER_SETS[n])
+
+
+def ask_for_extraction(ext_dir: Path, model_dir: str | Path, params: Any, server_urls: list[str], *,
+                       concurrency: int) -> dict[str, Any]:
+    """The prompts of an extraction (``params``: its ``SelfPromptParams``) from its own servers, written to
+    ``ext_dir/self-prompts.jsonl.xz`` all at once (a run killed meanwhile leaves none, and the next one asks
+    again), with the report beside it (self-prompts.json)."""
+    from eaglenest.extraction.state import SELF_PROMPTS
+
+    cfg = SelfPromptConfig(count=params.count, seed=params.seed, temperature=params.temperature, top_p=params.top_p,
+                           max_new_tokens=params.max_new_tokens, starters=starters_of(params.starter_sets))
+    exclude = exclusions(params.exclude_prompt_sets, params.exclude_file, name="self_prompts.exclude_file")
+    tmp = ext_dir / f".{SELF_PROMPTS}.partial.jsonl.xz"
+    report = self_prompts(server_urls, model_dir, cfg, tmp, exclude=exclude,
+                          client=ClientConfig(concurrency=concurrency))
+    report["out"] = str(ext_dir / SELF_PROMPTS)
+    (ext_dir / "self-prompts.json").write_text(json.dumps(report, indent=1))
+    os.replace(tmp, ext_dir / SELF_PROMPTS)
+    return report

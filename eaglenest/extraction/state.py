@@ -187,12 +187,14 @@ def prepare_key(ext: Extraction) -> str:
            "limit": p.limit, "max_turns": p.max_turns, "tokenizer": ext.fingerprint["tokenizer_hash"],
            "template": ext.fingerprint["chat_template_hash"], "token_limit": ext.token_limit,
            "regenerate": p.regeneration.enabled,
-           **({"partition": [p.partition_index, p.partition_count]} if p.partition_count > 1 else {})}
+           **({"partition": [p.partition_index, p.partition_count]} if p.partition_count > 1 else {}),
+           **({"self_prompts": p.self_prompts.identity()} if p.self_prompts.count else {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
-    """Read the source and tokenize it once; a later call with the same content key reuses the files."""
+    """Read the source (after the target's own prompts, when asked for) and tokenize it once; a later call with
+    the same content key reuses the files."""
     key = prepare_key(ext)
     manifest, samples_path = ext.path("prepare.json"), ext.path("samples.parquet")
     if manifest.is_file() and samples_path.is_file():
@@ -203,6 +205,11 @@ def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
     p = ext.params
     source = read_records(p.source, fmt=p.source_format, limit=p.limit)
     records = source.records
+    if p.self_prompts.count:  # the target's own prompts first (ask_for_extraction wrote them)
+        own = ext.path(SELF_PROMPTS)  # (defined below, with the folder's other files)
+        if not own.is_file():
+            raise ExtractionError(f"{own}: the self prompts are not written yet (run_extraction asks for them first)")
+        records = read_records(str(own)).records + records
     if p.partition_count > 1:
         records = [r for r in records if partition_of(r.id, p.partition_count) == p.partition_index]
     encoder = encoder or ChatEncoder(ext.model_dir)
@@ -302,6 +309,8 @@ class JsonlLog:
 
 
 ANSWERS, REGENERATED = "answers.jsonl", "regenerated.jsonl"
+SELF_PROMPTS = "self-prompts.jsonl.xz"
+"""The prompts the target wrote for this extraction (ExtractParams.self_prompts), read before the source."""
 
 
 def load_answers(ext: Extraction) -> dict[tuple[str, int], dict]:

@@ -27,6 +27,10 @@ CASES = {
                             "--starter-set 'poems': not a built-in set (have: kinds, code)"),
     "opening with a trailing space": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}",
                                        "--starter", "Solve "], "starters must not begin or end with whitespace"),
+    "self prompts without answers": (["extract", "--model", "{model}", "--recipe", "capture", "--self-prompts", "5"],
+                                     "self_prompts: the target's own prompts come without answers"),
+    "extraction's unknown starter set": (["extract", "--model", "{model}", "--self-prompts", "5",
+                                          "--self-starter-set", "poems"], "starter_sets: 'poems': not a built-in set"),
 }
 
 

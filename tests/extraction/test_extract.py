@@ -400,3 +400,48 @@ def test_an_extraction_made_before_cut_answers_were_kept_resumes_with_skip(tiny_
     assert "cut_answers" not in before and set(before) == {"enabled", "temperature", "top_p", "max_new_tokens", "seed"}
     assert keep.identity()["regeneration"]["cut_answers"] == "keep"
     assert skip.resolved_extraction_id() != keep.resolved_extraction_id()
+
+
+class WritesPrompts:
+    """The tiny target's runner, except that a sampled generation (a self prompt: temperature > 0) is a request of
+    its own, ``prompt <seed>`` words, that ends on its own; greedy answers and captures are the runner's."""
+
+    def __init__(self, runner, tokenizer):
+        self.runner, self.tok = runner, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def generate(self, input_ids, *, temperature, seed=None, **kw):
+        from eaglenest.engines.runtime import Generation
+
+        if temperature <= 0:
+            return self.runner.generate(input_ids, temperature=temperature, seed=seed, **kw)
+        ids = self.tok.encode(f"Tell me about the number {seed % 5} in a long sentence", add_special_tokens=False)
+        return Generation([*ids, self.tok.eos_token_id], "stop", None, 0.0, 0.0)
+
+
+def test_the_target_writes_its_own_prompts_on_the_runs_servers_then_answers_them(tiny_extract_params,
+                                                                                   capture_servers, tmp_path):
+    """ExtractParams.self_prompts: the run's own servers write the prompts first (kept ones in self-prompts.jsonl.xz,
+    duplicates left out), the target answers them with the source's records, and a resumed run asks for none."""
+    from eaglenest.data import ChatEncoder
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 2), max_turns=None, concurrency=2,
+                   regeneration={"enabled": True, "max_new_tokens": 8},
+                   self_prompts={"count": 10, "seed": 3, "max_new_tokens": 32})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    engine.runner = WritesPrompts(engine.runner, ChatEncoder(params.model).tokenizer)
+    rids = record_rids(engine)
+    params = with_(params, server_urls=[url])
+    report = run_extraction(params)
+    asked = json.loads((ext.dir / "self-prompts.json").read_text())
+    assert asked["asked"] == 10 and asked["kept"] == 5 and asked["skipped"] == {"duplicate": 5}
+    ids = ledger_ids(ext.dir)
+    assert len([i for i in ids if i.startswith("self-3-")]) == 5 and {"p0", "p1"} <= set(ids)
+    assert report["complete"] and report["run"]["phases_s"]["self_prompts"] > 0
+    assert sum(":self:3:" in r for r in rids) == 10  # the prompts were asked on the run's server, once each
+    before = len(rids)
+    again = run_extraction(params)
+    assert again["complete"] and again["run"]["requests"] == 0 and len(rids) == before  # nothing asked again
