@@ -36,7 +36,8 @@
 # TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
 # Untested on the GPU yet: SELF_COUNT=14000 SELF_SEED=N STARTER_SET="kinds code" SOURCE=train-1tc.jsonl.xz on the data
-# call instead of a prompts call (the extraction's servers write the prompts first: one launch, about 100 s less).
+# call instead of a prompts call (the extraction's servers write the prompts first: one launch, about 100 s less);
+# EXTRACT_S then covers the prompts too (14K took about 150 s on one H200 server), e.g. 480 in a 590-s call.
 # On an H100 (results/2026-12-05b-h100, seed 6 used; 91 s lost to a refused H200 start first) the same plan gave the
 # weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
 # when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
