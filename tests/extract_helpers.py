@@ -116,3 +116,22 @@ class ThreadServer:
     def stop(self):
         self.bg.stop()
         self.engine.close()
+
+
+class WritesPrompts:
+    """The tiny target's runner, except that a sampled generation (a self prompt: temperature > 0) is a request of
+    its own, ``prompt <seed>`` words, that ends on its own; greedy answers and captures are the runner's."""
+
+    def __init__(self, runner, tokenizer):
+        self.runner, self.tok = runner, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def generate(self, input_ids, *, temperature, seed=None, **kw):
+        from eaglenest.engines.runtime import Generation
+
+        if temperature <= 0:
+            return self.runner.generate(input_ids, temperature=temperature, seed=seed, **kw)
+        ids = self.tok.encode(f"Tell me about the number {seed % 5} in a long sentence", add_special_tokens=False)
+        return Generation([*ids, self.tok.eos_token_id], "stop", None, 0.0, 0.0)

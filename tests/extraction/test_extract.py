@@ -12,6 +12,7 @@ from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import ConfigChanged, open_extraction
 from tests.extract_helpers import (
     StopAfter,
+    WritesPrompts,
     assert_complete_and_exact,
     ledger_ids,
     ledger_lines,
@@ -400,25 +401,6 @@ def test_an_extraction_made_before_cut_answers_were_kept_resumes_with_skip(tiny_
     assert "cut_answers" not in before and set(before) == {"enabled", "temperature", "top_p", "max_new_tokens", "seed"}
     assert keep.identity()["regeneration"]["cut_answers"] == "keep"
     assert skip.resolved_extraction_id() != keep.resolved_extraction_id()
-
-
-class WritesPrompts:
-    """The tiny target's runner, except that a sampled generation (a self prompt: temperature > 0) is a request of
-    its own, ``prompt <seed>`` words, that ends on its own; greedy answers and captures are the runner's."""
-
-    def __init__(self, runner, tokenizer):
-        self.runner, self.tok = runner, tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def generate(self, input_ids, *, temperature, seed=None, **kw):
-        from eaglenest.engines.runtime import Generation
-
-        if temperature <= 0:
-            return self.runner.generate(input_ids, temperature=temperature, seed=seed, **kw)
-        ids = self.tok.encode(f"Tell me about the number {seed % 5} in a long sentence", add_special_tokens=False)
-        return Generation([*ids, self.tok.eos_token_id], "stop", None, 0.0, 0.0)
 
 
 def test_the_target_writes_its_own_prompts_on_the_runs_servers_then_answers_them(tiny_extract_params,

@@ -27,6 +27,7 @@ from eaglenest.extraction.stream import run_sync
 from tests.extract_helpers import (
     StopAfter,
     ThreadServer,
+    WritesPrompts,
     assert_complete_and_exact,
     ledger_ids,
     record_rids,
@@ -300,3 +301,32 @@ def test_cli_under_timeout_a_group_sigterm_ends_the_run_with_every_written_shard
     shards = {p.name for p in (out / "g" / "capture").glob("*.safetensors")}
     assert report["status"] == "interrupted" and len(shards) >= 10
     assert len(ledger_ids(out / "g")) == len(shards) and report["pending_detail"]["shard_written"] == 0
+
+
+def test_sigterm_while_the_target_writes_its_prompts_stops_the_servers_and_a_rerun_asks_again(tiny_extract_params,
+                                                                                               tiny_runner, tmp_path):
+    """ExtractParams.self_prompts, terminated mid-way through the prompts: the servers launched for them are stopped,
+    no partial prompt file is left for a re-run to take as whole, and the re-run asks for them again and completes."""
+    from eaglenest.data import ChatEncoder
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 1), max_turns=None, concurrency=1,
+                   regeneration={"enabled": True, "max_new_tokens": 8}, self_prompts={"count": 8, "seed": 1})
+    ext = open_extraction(params)
+    tok = ChatEncoder(params.model).tokenizer
+    launched = []
+
+    def make(port):
+        server = ThreadServer(tiny_runner, ext.capture_dir, port)
+        server.engine.runner = WritesPrompts(server.engine.runner, tok)
+        if not launched:
+            _signal_on_request(server.engine, 5)  # the readiness probe, then the 4th prompt
+        launched.append(server)
+        return server
+
+    with sigterm_handler(raise_terminated), pytest.raises(Terminated):
+        run_extraction(params, pool=ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30))
+    assert len(launched) == 1 and not launched[0].alive()
+    assert not (ext.dir / "self-prompts.jsonl.xz").exists() and not list(ext.dir.glob(".self-prompts*"))
+    report = run_extraction(params, pool=ServerPool(specs=[LaunchSpec("t", make)], launch_timeout_s=30))
+    assert_complete_and_exact(report, ext.dir)
+    assert json.loads((ext.dir / "self-prompts.json").read_text())["kept"] == 5 and not launched[1].alive()
