@@ -79,8 +79,9 @@ class SelfPromptParams(BaseModel):
         starters_of(self.starter_sets, name="starter_sets:")
         return self
 
-    def identity(self) -> dict | None:
-        return self.model_dump() if self.count else None
+    def identity(self) -> dict:
+        """What defines the prompts (an extraction includes it only when ``count`` > 0)."""
+        return self.model_dump()
 
 
 def default_capture_concurrency(concurrency: int) -> int:

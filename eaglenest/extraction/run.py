@@ -120,29 +120,26 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
     ext = step(open_extraction, params)
     with ext.lock(), quick_gil_handoff():
         stages: dict[str, float] = {}
-        if params.self_prompts.count and not ext.path(SELF_PROMPTS).is_file():
+        early = params.self_prompts.count > 0 and not ext.path(SELF_PROMPTS).is_file()
+        if early:
             pool = pool or make_pool(ext)  # the run's servers, started early: they stay for its rounds
-            t1 = time.perf_counter()
-            try:
+        try:
+            if early:
+                t1 = time.perf_counter()
                 step(start_servers, pool)
                 stages["launch"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 step(ask_self_prompts, ext, pool)
                 stages["self_prompts"] = time.perf_counter() - t1
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    pool.stop()
-                raise
-        t1 = time.perf_counter()
-        try:
+            t1 = time.perf_counter()
             prepared: Prepared = step(prepare, ext)
             pending = step(plan, ext, prepared)
+            stages["prepare"] = time.perf_counter() - t1
         except BaseException:
-            if "launch" in stages:
+            if early:  # (also when they failed to start: whatever did start is stopped)
                 with contextlib.suppress(Exception):
                     pool.stop()
             raise
-        stages["prepare"] = time.perf_counter() - t1
         return _run(ext, prepared, pending, t0=t0, stages=stages, on_progress=on_progress, pool=pool,
                     transport=transport, step=step)
 
@@ -303,7 +300,7 @@ def _validate_left(ext: Extraction, ctx: RunContext | None, running: Sequence[Ro
     ``stop_validate_s``; see :func:`~eaglenest.extraction.validator.validate_left`). Never raises: a second signal or
     a failing check ends it, and what reached the ledger stays."""
     left = [s for r in running for s in r.unvalidated]
-    if ctx is None or not running or not left or ext.params.stop_validate_s <= 0:
+    if ctx is None or not left or ext.params.stop_validate_s <= 0:
         return
     t = time.perf_counter()
     try:

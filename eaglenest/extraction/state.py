@@ -206,7 +206,7 @@ def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
     source = read_records(p.source, fmt=p.source_format, limit=p.limit)
     records = source.records
     if p.self_prompts.count:  # the target's own prompts first (ask_for_extraction wrote them)
-        own = ext.path(SELF_PROMPTS)  # (defined below, with the folder's other files)
+        own = ext.path(SELF_PROMPTS)
         if not own.is_file():
             raise ExtractionError(f"{own}: the self prompts are not written yet (run_extraction asks for them first)")
         records = read_records(str(own)).records + records

@@ -24,9 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from eaglenest import contract
 from eaglenest.data.chat import Skipped
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.aio import run_sync
@@ -44,7 +42,7 @@ from eaglenest.extraction.state import (
     regenerated_row,
 )
 from eaglenest.extraction.validate import quarantine
-from eaglenest.extraction.validator import Validator, problem
+from eaglenest.extraction.validator import Validator, problem, shard_path
 
 CAPTURE, NEXT_TURN, NEW_CONVERSATION = 0, 1, 2
 """Job priorities (lower is sent first). When every job had one priority, the captures queued behind every
@@ -118,7 +116,6 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
     phases = phases or Phases()
     res = result if result is not None else RoundResult()
     c = res.counts
-    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
     regen = ext.params.regeneration.enabled
     live = res.live = {"answered": 0, "failed": 0, "retry": 0, "tokens": 0, "regenerated": 0, "skipped": 0,
                        "capturing": 0}
@@ -149,8 +146,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             c.problems.append(problem(s.sample_id, "prefill", "too_long",
                                        f"{s.num_tokens} tokens > server limit {ctx.max_prompt_tokens}"))
             return []
-        name = contract.shard_filename(s.sample_id)
-        if any((d / name).is_file() for d in dirs):
+        if shard_path(ext, ctx, s.sample_id) is not None:
             c.reused_shards += 1  # answered before (e.g. a killed run): validation decides, no request
             validator.put(s)
             return []
@@ -180,8 +176,7 @@ def stream(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *, phase
             res.failures[sample.sample_id] = f
             c.problems.append(problem(sample.sample_id, stage, f.reason, f.message))
             if stage == "prefill" and f.reason == "contract":  # its shard must not stay under the capture name
-                path = next((d / contract.shard_filename(sample.sample_id) for d in dirs
-                             if (d / contract.shard_filename(sample.sample_id)).is_file()), None)
+                path = shard_path(ext, ctx, sample.sample_id)
                 if path is not None:
                     quarantine(ext.dir, path, sample.sample_id, f.message, "contract")
 

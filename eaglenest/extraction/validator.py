@@ -77,6 +77,12 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
     return step
 
 
+def shard_path(ext: Extraction, ctx: RunContext, sample_id: str) -> Path | None:
+    """Where a sample's shard was written: the extraction's capture folder or a server's (None: nowhere yet)."""
+    name = contract.shard_filename(sample_id)
+    return next((p for d in (ext.capture_dir, *map(Path, ctx.capture_dirs)) if (p := d / name).is_file()), None)
+
+
 STOP_VALIDATE_CHUNK = 256
 """Samples per chunk when an interrupted run validates what it left (each chunk enters the ledger at once)."""
 
@@ -90,8 +96,7 @@ def validate_left(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], c
     first) and an invalid one (counted, quarantined) leave their sample pending: the next run asks for it again. On the
     H100 (2026-12-05, 16 cores beside two SGLang servers) an extraction stopped by its time budget had captured
     14,669 samples and validated 8,920: the rest waited for a next run that the session had no time for."""
-    dirs = [ext.capture_dir, *map(Path, ctx.capture_dirs)]
-    present = [s for s in samples if any((d / contract.shard_filename(s.sample_id)).is_file() for d in dirs)]
+    present = [s for s in samples if shard_path(ext, ctx, s.sample_id) is not None]
     if not present or budget_s <= 0:
         return
     deadline = clock() + budget_s
