@@ -37,7 +37,12 @@
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
 # Untested on the GPU yet: SELF_COUNT=14000 SELF_SEED=N STARTER_SET="kinds code" SOURCE=train-1tc.jsonl.xz on the data
 # call instead of a prompts call (the extraction's servers write the prompts first: one launch, about 100 s less);
-# EXTRACT_S then covers the prompts too (14K took about 150 s on one H200 server), e.g. 480 in a 590-s call.
+# EXTRACT_S then covers the prompts too (14K took about 150 s on one H200 server). The data call's limit must hold
+# the model (~40 s) + EXTRACT_S + the stop (STOP_VALIDATE_S + up to 45 s, bounded by timeout -k) + packing the
+# answers (~10 s): EXTRACT_S=420 with STOP_VALIDATE_S=60 in a 590-s call. Run on the H100 (2026-12-05c, seed 7):
+# launch + 14K prompts took 269 s before the first answer, then 220 s of streaming gave 12,995 captured samples,
+# all validated (542 of them in the 16 s after the TERM); EXTRACT_S=490 in a 585-s call left too little for the stop, and the
+# answers were lost again.
 # On an H100 (results/2026-12-05b-h100, seed 6 used; 91 s lost to a refused H200 start first) the same plan gave the
 # weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
 # when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
@@ -213,7 +218,10 @@ data)
       own=(--self-prompts "$SELF_COUNT" --self-seed "${SELF_SEED:-0}" --self-exclude-file .gpu/eval-user-texts.json)
       for set in ${STARTER_SET-kinds}; do own+=(--self-starter-set "$set"); done
     fi
-    run timeout -s TERM "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/$src" \
+    # after the TERM the run stops its servers (side by side, 10 s grace), validates for STOP_VALIDATE_S and writes
+    # its report; -k bounds all of that, so the answers below are always packed inside the call (2026-12-05c on
+    # the H100: the call's own limit came first, the answers were never packed, and the run outlived the script)
+    run timeout -s TERM -k "$(( ${STOP_VALIDATE_S:-60} + 45 ))" "$2" ${prof[@]+"${prof[@]}"} python3 -m eaglenest extract --engine sglang --model "$MODEL" --source "/tmp/gpu/$src" \
       --limit "${LIMIT:-10000}" --max-turns "${MAX_TURNS:-1}" --max-tokens 2048 --recipe regenerate --regen-max-new-tokens 512 \
       --num-servers "$1" --concurrency "${CONC:-1024}" --batch-size "${VALIDATE_CHUNK:-512}" --stop-validate-s "${STOP_VALIDATE_S:-60}" \
       ${own[@]+"${own[@]}"} --output-dir /tmp/ext --extraction-id regen \

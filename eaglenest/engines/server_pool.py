@@ -246,11 +246,18 @@ class ServerPool:
             self._records.remove(proc)
 
     def stop(self) -> None:
+        """Stop every launched server at once: each gets its grace period side by side, not one after another
+        (two SGLang servers stopped in turn could keep a stopping run for twice the grace)."""
         with self._lock:
             self._closing = True
-        for o in self._owned:
-            if o.process is not None:
-                self._stop_one(o.process)
+        procs = [o.process for o in self._owned if o.process is not None]
+        if len(procs) <= 1:
+            for proc in procs:
+                self._stop_one(proc)
+            return
+        with cf.ThreadPoolExecutor(len(procs), thread_name_prefix="stop") as ex:
+            for f in [ex.submit(self._stop_one, proc) for proc in procs]:
+                f.result()
 
     def revive(self) -> int:
         """Relaunch owned servers that died or stopped answering, one after another in spec order (so servers

@@ -250,8 +250,10 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
         except BaseException as e:
             # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
             # Prefect API may be going down too), and let nothing raised here replace the original exception
+            t = time.perf_counter()
             with contextlib.suppress(Exception):
                 pool.stop()
+            stages["stop_servers"] = time.perf_counter() - t
             _validate_left(ext, ctx, running, phases, stages)
             _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, t1=t1, pool=pool)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.engines.pool import LaunchError, ServerRecords, free_port, local_server
+from eaglenest.engines.pool import LaunchError, ServerProcess, ServerRecords, free_port, local_server
 from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
@@ -109,6 +110,32 @@ def test_pool_ends_the_servers_a_killed_earlier_run_recorded(tmp_path):
         pool.stop()
         stale.stop(grace_s=1)
     assert not record.exists()
+
+
+STUBBORN = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"]
+
+
+@dataclasses.dataclass
+class StubbornServer(ServerProcess):
+    """Ignores SIGTERM, so its stop lasts the whole grace period (SGLang's shutdown can take that long)."""
+
+    def stop(self, *, grace_s: float = 1.5) -> None:
+        super().stop(grace_s=grace_s)
+
+
+def test_pool_stops_its_servers_side_by_side(tmp_path):
+    def make(name):
+        return lambda port: StubbornServer(cmd=STUBBORN, url=f"http://127.0.0.1:{port}", log_path=tmp_path / name)
+
+    pool = ServerPool(specs=[LaunchSpec("a", make("a.log")), LaunchSpec("b", make("b.log"))], ready=lambda url: True)
+    pool.start()
+    pids = pool.pids()
+    assert len(pids) == 2
+    t = time.monotonic()
+    pool.stop()
+    took = time.monotonic() - t
+    assert all(wait_gone(pid, 5) for pid in pids)
+    assert 1.4 < took < 2.8, took  # one grace period (1.5 s) for both: one after another took two
 
 
 def test_a_launched_server_dies_with_its_launcher(tmp_path):

@@ -150,7 +150,8 @@ def test_a_terminated_run_writes_its_report_with_phases_counts_and_what_stays_pe
     assert report["status"] == "interrupted" and report["ended_by"] == "SystemExit: 143" and not report["complete"]
     r = report["run"]
     assert r["requests"] >= 5 and r["regenerated"] >= 2 and r["generated_tokens"] >= 2 * 7 and r["tokens"] > 0
-    assert set(r["phases_s"]) >= {"prepare", "launch", "connect", "stream", "regenerate", "prefill", "validate"}
+    assert set(r["phases_s"]) >= {"prepare", "launch", "connect", "stream", "regenerate", "prefill", "validate",
+                                  "stop_servers"}  # (given URLs: nothing to stop, but the time is reported)
     assert r["phases_s"]["stream"] > 0 and r["rates"]["generated_tok_per_s"] > 0 and r["rates"]["prefill_tok_per_s"] > 0
     ledger = ledger_ids(ext.dir) if (ext.dir / "ledger.jsonl").is_file() else []
     shards = list(ext.capture_dir.glob("*.safetensors"))
