@@ -252,7 +252,10 @@ data)
   # the answers come back (small next to the shards) so that the next session captures them without regenerating;
   # a copy stays in /tmp/gpu-logs for a later data call of this window (ANSWERS_FROM=TAG after rm -rf /tmp/ext)
   mkdir -p /tmp/gpu-logs && rm -f /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part*
-  (cd /tmp/ext/regen && tar -cf - answers.jsonl regenerated.jsonl 2>/dev/null) | xz -T0 -3 \
+  # (with SELF_COUNT, the prompts the target wrote too: a later data call with the same tag asks for none)
+  keep=(); for f in answers.jsonl regenerated.jsonl self-prompts.jsonl.xz self-prompts.json; do
+    [ -f "/tmp/ext/regen/$f" ] && keep+=("$f"); done
+  [ ${#keep[@]} -gt 0 ] && tar -C /tmp/ext/regen -cf - "${keep[@]}" | xz -T0 -3 \
     | split -b 15M - "/tmp/gpu-logs/regen-logs-$tag.tar.xz.part" && cp /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part* "$OUT/" \
     || true
   [ "${PROFILE:-0}" != 1 ] || python3 -c "
