@@ -156,6 +156,7 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
 
     import torch
 
+    from eaglenest.drafter.kl_loss import use_triton
     from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
     from eaglenest.drafter.ttt import Batch, step_counts, target_rows, ttt_forward
 
@@ -202,7 +203,8 @@ def _time_shape(args, tt, dev, seq: int, precision: str, vd: int) -> None:
         times.append(time.perf_counter() - t0)
     best = min(times[1:])
     print(json.dumps({"device": dev.type, "precision": precision, "draft_vocab": vd, "batch": [b, t], "k": args.k,
-                      "compile": args.compile, "first_step_s": round(times[0], 2), "step_s": round(best, 4),
+                      "compile": args.compile, "kl_kernel": "triton" if use_triton(head) else "torch",
+                      "first_step_s": round(times[0], 2), "step_s": round(best, 4),
                       "tokens_per_s": round(b * t / best), "wall_s": round(time.perf_counter() - t_first, 2)}),
           flush=True)
     if args.ops:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eaglenest.drafter.kl_loss import draft_kl
 from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
 
 
@@ -265,12 +266,11 @@ def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) ->
     u = rows.plan.unrolled(k, b * t)
     m = rows.p.shape[0]
     z = model.head(outs.view(k * b * t, h).index_select(0, u.src))  # [k*M, Vd] draft logits (bf16 under autocast)
-    logq = F.log_softmax(z.float(), dim=-1).view(k, m, z.shape[-1])  # (faster than logsumexp on CPU)
-    kl = rows.neg_entropy - (rows.p * logq).sum(-1)  # [k, M] KL(p || q) = sum p log p - sum p log q
+    kl, top = draft_kl(z, rows.p, rows.neg_entropy)  # KL(p || q) = sum p log p - sum p log q, each row's argmax
     keep = u.valid & rows.in_vocab  # [k, M]
-    loss_sum = (kl * keep).sum(-1)  # [k]
+    loss_sum = (kl.view(k, m) * keep).sum(-1)  # [k]
     with torch.no_grad():
-        hit = (model.to_target_ids(z.max(-1).indices).view(k, m) == rows.argmax) & u.valid  # (max() beats argmax)
+        hit = (model.to_target_ids(top).view(k, m) == rows.argmax) & u.valid
         match = torch.zeros(k * (b * t + 1), dtype=torch.bool, device=outs.device).index_copy_(0, u.dst, hit.view(-1))
         match = match.view(k, b * t + 1)[:, : b * t].view(k, b, t)
     return TTTResult(loss_sum=loss_sum, correct=hit.sum(-1), kept=keep.sum(-1), counted=u.counted, match=match)
