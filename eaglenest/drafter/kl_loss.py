@@ -1,4 +1,4 @@
-"""The TTT loss's draft-vocabulary KL, row by row, without keeping the log-softmax.
+"""The TTT loss's draft-vocabulary KL: PyTorch ops, or Triton kernels that never materialise the log-softmax.
 
 For draft logits ``z`` [N, V] (the k TTT steps' rows stacked, N = k * M) and the target's distribution ``p``
 [M, V] over the same vocabulary (row ``r`` of ``z`` is scored against ``p[r % M]``):
@@ -11,10 +11,11 @@ log-sum-exp: neither the fp32 log-softmax [N, V] nor the product with ``p`` is e
 backward. On the GPU that was the training step's largest cost (2026-12-04b's profile: elementwise products,
 copies and log-softmaxes over these values were ~54% of its GPU time, the matmuls 26%).
 
-Two implementations of the same math: :func:`_torch_stats` / :func:`_torch_grad` (any device, in row chunks) and
-Triton kernels (one program per row, one pass over ``z`` and ``p`` forward and one backward: ~14 bytes read or
-written per value against ~70 for the unfused ops), used on CUDA when ``EAGLENEST_KL_KERNEL=triton`` until
-measured on the device.
+Without Triton (the CPU, or ``EAGLENEST_KL_KERNEL`` unset) the same formula runs as PyTorch ops, the fp32
+log-softmax kept for the backward as before. With ``EAGLENEST_KL_KERNEL=triton`` on CUDA: Triton kernels, one
+program per row, one pass over ``z`` and ``p`` forward (log-sum-exp, dot, argmax) and one backward (softmax
+recomputed from ``z``): ~14 bytes read or written per value against ~70 for the ops; opt-in until measured on the
+device (the recipe's KL_AB=1).
 """
 
 from __future__ import annotations
@@ -23,33 +24,35 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 ENV_KERNEL = "EAGLENEST_KL_KERNEL"
 """``triton``: the Triton kernels on CUDA tensors (Triton must be importable); unset or ``torch``: PyTorch ops."""
-
-_CHUNK_VALUES = 1 << 24
-"""Values of ``z`` one torch chunk holds in fp32 (64 MiB): bounds the temporaries of a chunk."""
 
 
 def draft_kl(z: torch.Tensor, p: torch.Tensor, neg_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(kl [N] fp32, differentiable in ``z``; argmax [N] int64 of each row of ``z``) for ``z`` [N, V] (any float
     dtype), ``p`` [M, V] fp32 and ``neg_entropy`` [M] fp32 = sum p log p, where N is a multiple of M."""
-    if z.shape[0] % max(p.shape[0], 1):
-        raise ValueError(f"draft_kl: {z.shape[0]} logit rows are not a multiple of {p.shape[0]} target rows")
-    return _DraftKL.apply(z, p, neg_entropy)
+    m = p.shape[0]
+    if z.shape[0] % max(m, 1):
+        raise ValueError(f"draft_kl: {z.shape[0]} logit rows are not a multiple of {m} target rows")
+    if use_triton(z):
+        return _TritonKL.apply(z, p, neg_entropy)
+    logq = F.log_softmax(z.float(), dim=-1).view(z.shape[0] // max(m, 1), m, z.shape[-1])  # (faster than logsumexp)
+    kl = (neg_entropy - (p * logq).sum(-1)).view(-1)
+    return kl, z.detach().max(-1).indices  # (max() is faster than argmax)
 
 
 def use_triton(z: torch.Tensor) -> bool:
     return z.is_cuda and os.environ.get(ENV_KERNEL, "torch") == "triton"
 
 
-class _DraftKL(torch.autograd.Function):
+class _TritonKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, p: torch.Tensor, neg_entropy: torch.Tensor):
         z, p = z.contiguous(), p.contiguous()
-        lse, dot, psum, argmax = _triton_stats(z, p) if use_triton(z) else _torch_stats(z, p)
-        m = p.shape[0]
-        kl = neg_entropy.repeat(z.shape[0] // max(m, 1)) - (dot - lse * psum)
+        lse, dot, psum, argmax = _triton_stats(z, p)
+        kl = neg_entropy.repeat(z.shape[0] // max(p.shape[0], 1)) - (dot - lse * psum)
         ctx.save_for_backward(z, p, lse, psum)
         ctx.mark_non_differentiable(argmax)
         return kl, argmax
@@ -57,43 +60,7 @@ class _DraftKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_kl: torch.Tensor, _grad_argmax: torch.Tensor | None):
         z, p, lse, psum = ctx.saved_tensors
-        g = grad_kl.float().contiguous()
-        grad = _triton_grad(z, p, lse, psum, g) if use_triton(z) else _torch_grad(z, p, lse, psum, g)
-        return grad, None, None
-
-
-def _chunks(z: torch.Tensor, m: int):
-    """Row ranges of ``z`` of at most :data:`_CHUNK_VALUES` values, never across a block of ``m`` rows (so each
-    chunk's target rows are one slice of ``p``)."""
-    if m == 0:
-        return
-    step = max(1, min(m, _CHUNK_VALUES // max(z.shape[1], 1)))
-    for block in range(0, z.shape[0], m):
-        for s in range(block, block + m, step):
-            e = min(s + step, block + m)
-            yield s, e, s - block, e - block
-
-
-def _torch_stats(z: torch.Tensor, p: torch.Tensor):
-    n, m = z.shape[0], p.shape[0]
-    lse = torch.empty(n, dtype=torch.float32, device=z.device)
-    dot, psum = torch.empty_like(lse), torch.empty_like(lse)
-    argmax = torch.empty(n, dtype=torch.int64, device=z.device)
-    for s, e, ps, pe in _chunks(z, m):
-        zf, pr = z[s:e].float(), p[ps:pe]
-        lse[s:e] = torch.logsumexp(zf, dim=-1)
-        dot[s:e] = (pr * zf).sum(-1)
-        psum[s:e] = pr.sum(-1)
-        argmax[s:e] = zf.max(-1).indices
-    return lse, dot, psum, argmax
-
-
-def _torch_grad(z, p, lse, psum, g):
-    grad = torch.empty_like(z)
-    for s, e, ps, pe in _chunks(z, p.shape[0]):
-        soft = torch.exp(z[s:e].float() - lse[s:e, None])
-        grad[s:e] = ((soft * psum[s:e, None] - p[ps:pe]) * g[s:e, None]).to(z.dtype)
-    return grad
+        return _triton_grad(z, p, lse, psum, grad_kl.float().contiguous()), None, None
 
 
 # ------------------------------------------------------------------------------ Triton
