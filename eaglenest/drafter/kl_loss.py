@@ -13,9 +13,9 @@ copies and log-softmaxes over these values were ~54% of its GPU time, the matmul
 
 Without Triton (the CPU, or ``EAGLENEST_KL_KERNEL`` unset) the same formula runs as PyTorch ops, the fp32
 log-softmax kept for the backward as before. With ``EAGLENEST_KL_KERNEL=triton`` on CUDA: Triton kernels, one
-program per row, one pass over ``z`` and ``p`` forward (log-sum-exp, dot, argmax) and one backward (softmax
-recomputed from ``z``): ~14 bytes read or written per value against ~70 for the ops; opt-in until measured on the
-device (the recipe's KL_AB=1).
+program per target row and its k TTT rows, one pass over ``z`` and ``p`` forward (log-sum-exp, dot, argmax) and
+one backward (softmax recomputed from ``z``): ~10 bytes read or written per logit against ~70 for the ops;
+opt-in until measured on the device (the recipe's KL_AB=1).
 """
 
 from __future__ import annotations
@@ -69,57 +69,75 @@ _BLOCK = 1024
 
 @functools.cache
 def _kernels():
+    """One program per target row ``m``: the k rows of ``z`` scored against it (``z[i * M + m]``, one per TTT step)
+    form a [K, BLOCK] tile, so each block of ``p`` is read once for all k steps."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def stats(z_ptr, p_ptr, lse_ptr, dot_ptr, psum_ptr, arg_ptr, m_rows, v, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        z_row = z_ptr + row.to(tl.int64) * v
-        p_row = p_ptr + (row % m_rows).to(tl.int64) * v
-        mx = tl.full((), float("-inf"), tl.float32)
-        se = tl.zeros((), tl.float32)
-        dot = tl.zeros((), tl.float32)
+    def stats(z_ptr, p_ptr, lse_ptr, dot_ptr, psum_ptr, arg_ptr, m_rows, k, v, K: tl.constexpr,
+              BLOCK: tl.constexpr):
+        m = tl.program_id(0)
+        steps = tl.arange(0, K)
+        rows = (steps * m_rows + m).to(tl.int64)  # [K] rows of z
+        live = steps < k
+        p_row = p_ptr + m.to(tl.int64) * v
+        mx = tl.full((K,), float("-inf"), tl.float32)
+        se = tl.zeros((K,), tl.float32)
+        dot = tl.zeros((K,), tl.float32)
         psum = tl.zeros((), tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.zeros((), tl.int32)
+        best = tl.full((K,), float("-inf"), tl.float32)
+        best_i = tl.zeros((K,), tl.int32)
         for start in range(0, v, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < v
-            zb = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            tile = live[:, None] & inside[None, :]
+            zb = tl.load(z_ptr + rows[:, None] * v + cols[None, :], mask=tile, other=float("-inf")).to(tl.float32)
             pb = tl.load(p_row + cols, mask=inside, other=0.0)
-            bm = tl.max(zb, 0)
-            bi = tl.argmax(zb, 0).to(tl.int32) + start
+            bm = tl.max(zb, 1)
+            bi = tl.argmax(zb, 1).to(tl.int32) + start
             best_i = tl.where(bm > best, bi, best_i)
             best = tl.maximum(best, bm)
             new = tl.maximum(mx, bm)
-            se = se * tl.exp(mx - new) + tl.sum(tl.exp(zb - new), 0)
+            new_safe = tl.where(new == float("-inf"), 0.0, new)  # (rows past k: all -inf)
+            se = se * tl.exp(mx - new_safe) + tl.sum(tl.exp(zb - new_safe[:, None]), 1)
             mx = new
-            dot += tl.sum(pb * tl.where(inside, zb, 0.0), 0)
+            dot += tl.sum(pb[None, :] * tl.where(tile, zb, 0.0), 1)
             psum += tl.sum(pb, 0)
-        tl.store(lse_ptr + row, mx + tl.log(se))
-        tl.store(dot_ptr + row, dot)
-        tl.store(psum_ptr + row, psum)
-        tl.store(arg_ptr + row, best_i.to(tl.int64))
+        tl.store(lse_ptr + rows, mx + tl.log(se), mask=live)
+        tl.store(dot_ptr + rows, dot, mask=live)
+        tl.store(psum_ptr + rows, tl.zeros((K,), tl.float32) + psum, mask=live)
+        tl.store(arg_ptr + rows, best_i.to(tl.int64), mask=live)
 
     @triton.jit
-    def grad(z_ptr, p_ptr, lse_ptr, psum_ptr, g_ptr, out_ptr, m_rows, v, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        z_row = z_ptr + row.to(tl.int64) * v
-        p_row = p_ptr + (row % m_rows).to(tl.int64) * v
-        out_row = out_ptr + row.to(tl.int64) * v
-        lse = tl.load(lse_ptr + row)
-        psum = tl.load(psum_ptr + row)
-        g = tl.load(g_ptr + row)
+    def grad(z_ptr, p_ptr, lse_ptr, psum_ptr, g_ptr, out_ptr, m_rows, k, v, K: tl.constexpr, BLOCK: tl.constexpr):
+        m = tl.program_id(0)
+        steps = tl.arange(0, K)
+        rows = (steps * m_rows + m).to(tl.int64)
+        live = steps < k
+        p_row = p_ptr + m.to(tl.int64) * v
+        lse = tl.load(lse_ptr + rows, mask=live, other=0.0)
+        scale = tl.load(psum_ptr + rows, mask=live, other=0.0)
+        g = tl.load(g_ptr + rows, mask=live, other=0.0)
         for start in range(0, v, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < v
-            zb = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
+            tile = live[:, None] & inside[None, :]
+            offs = rows[:, None] * v + cols[None, :]
+            zb = tl.load(z_ptr + offs, mask=tile, other=0.0).to(tl.float32)
             pb = tl.load(p_row + cols, mask=inside, other=0.0)
-            gz = (tl.exp(zb - lse) * psum - pb) * g
-            tl.store(out_row + cols, gz.to(out_ptr.dtype.element_ty), mask=inside)
+            gz = (tl.exp(zb - lse[:, None]) * scale[:, None] - pb[None, :]) * g[:, None]
+            tl.store(out_ptr + offs, gz.to(out_ptr.dtype.element_ty), mask=tile)
 
     return stats, grad
+
+
+def _launch(z: torch.Tensor, p: torch.Tensor) -> tuple[int, int, dict]:
+    """(target rows M, TTT steps k, the kernels' shape arguments): a [K, BLOCK] tile of at most 8,192 values."""
+    m = p.shape[0]
+    k = z.shape[0] // m
+    big = 1 << max(0, (k - 1).bit_length())  # the next power of two >= k
+    return m, k, {"K": big, "BLOCK": max(64, min(_BLOCK, 8192 // big))}
 
 
 def _triton_stats(z: torch.Tensor, p: torch.Tensor):
@@ -129,7 +147,8 @@ def _triton_stats(z: torch.Tensor, p: torch.Tensor):
     dot, psum = torch.empty_like(lse), torch.empty_like(lse)
     argmax = torch.empty(n, dtype=torch.int64, device=z.device)
     if n:
-        stats[(n,)](z, p, lse, dot, psum, argmax, p.shape[0], v, BLOCK=_BLOCK)
+        m, k, shape = _launch(z, p)
+        stats[(m,)](z, p, lse, dot, psum, argmax, m, k, v, **shape)
     return lse, dot, psum, argmax
 
 
@@ -137,7 +156,8 @@ def _triton_grad(z, p, lse, psum, g):
     _, grad = _kernels()
     out = torch.empty_like(z)
     if z.shape[0]:
-        grad[(z.shape[0],)](z, p, lse, psum, g, out, p.shape[0], z.shape[1], BLOCK=_BLOCK)
+        m, k, shape = _launch(z, p)
+        grad[(m,)](z, p, lse, psum, g, out, m, k, z.shape[1], **shape)
     return out
 
 

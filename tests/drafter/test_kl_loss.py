@@ -55,8 +55,10 @@ from eaglenest.drafter import kl_loss
 from tests.drafter.test_kl_loss import case, compare
 kl_loss.use_triton = lambda z: True  # the interpreter runs the kernels on CPU tensors
 for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
-    z, p, negent, up = case(2, 5, 2500, dtype, seed=1)  # 2,500 values a row: 3 blocks, the last one partial
-    compare(z, p, negent, up, grad_atol=atol)
+    # k TTT steps in a tile of the next power of two (3: one dead row); 2,500 values a row: the last block partial
+    for k, m in ((3, 5), (4, 2), (1, 3)):
+        z, p, negent, up = case(k, m, 2500, dtype, seed=k)
+        compare(z, p, negent, up, grad_atol=atol)
 print("kernels equal")
 """
 
