@@ -69,7 +69,7 @@
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
-# (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 times the loss in PyTorch ops against the Triton kernels first), KL_KERNEL (train: torch; triton). Timings seen on the H200: setup
+# (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 checks the Triton KL kernels on the GPU and times them against the PyTorch ops first), KL_KERNEL (train: torch; triton; auto: the faster when KL_AB=1 passed). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -357,15 +357,37 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
     --tokens 32768 --seq 512 2048 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 --profile 40 \
     > "$R/train-profile.txt" 2>&1 || true
-  # KL_AB=1: one training step of the target's shape with the draft-vocab KL in PyTorch ops, then in the Triton
-  # kernels (eaglenest/drafter/kl_loss.py: one pass over the logits each way instead of the fp32 log-softmax's
-  # several), ~1 minute; KL_KERNEL=triton trains with the kernels (torch until the A/B shows them faster)
-  [ "${KL_AB:-0}" != 1 ] || for kern in torch triton torch triton; do
-    run env EAGLENEST_KL_KERNEL=$kern timeout 120 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
-      --tokens 32768 --seq 512 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 --repeat 10 \
-      >> "$R/kl-kernels.txt" 2>&1 || true
-  done
-  export EAGLENEST_KL_KERNEL=${KL_KERNEL:-torch}
+  # KL_AB=1: the Triton kernels of the draft-vocab KL (eaglenest/drafter/kl_loss.py: one pass over the logits each
+  # way instead of the fp32 log-softmax's several) checked against the PyTorch ops on this GPU, then one training
+  # step of the target's shape timed with each, alternating (~1.5 minutes); KL_KERNEL=auto (with KL_AB=1) then
+  # trains with the kernels when they passed and were faster, KL_KERNEL=triton always, torch (the default) never
+  kernel=${KL_KERNEL:-torch}
+  if [ "${KL_AB:-0}" = 1 ]; then
+    if run timeout 180 python3 -c "
+import json, sys
+from eaglenest.drafter.kl_loss import check_kernels
+r = check_kernels('cuda')
+print(json.dumps(r))
+sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; else kl_ok=0; fi
+    for kern in torch triton torch triton; do
+      run env EAGLENEST_KL_KERNEL=$kern timeout 120 python3 scripts/bench_train.py step --device cuda \
+        --model "$MODEL" --tokens 32768 --seq 512 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 \
+        --repeat 10 >> "$R/kl-kernels.txt" 2>&1 || true
+    done
+    faster=$(python3 -c "
+import json, sys
+best = {}
+for line in open(sys.argv[1]):
+    if line.startswith('{') and '\"kl_kernel\"' in line:
+        r = json.loads(line)
+        best[r['kl_kernel']] = min(best.get(r['kl_kernel'], 1e9), r['step_s'])
+print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', best)" "$R/kl-kernels.txt" || echo torch)
+    echo "KL kernels: check passed=$kl_ok; best step_s: $faster" | tee -a "$R/kl-kernels.txt" >&2
+    if [ "$kernel" = auto ]; then kernel=torch; [ "$kl_ok" = 1 ] && [ "${faster%% *}" = triton ] && kernel=triton; fi
+  fi
+  [ "$kernel" = auto ] && kernel=torch
+  echo "training with the KL in $kernel" >&2
+  export EAGLENEST_KL_KERNEL=$kernel
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done

@@ -36,15 +36,45 @@ def draft_kl(z: torch.Tensor, p: torch.Tensor, neg_entropy: torch.Tensor) -> tup
     m = p.shape[0]
     if z.shape[0] % max(m, 1):
         raise ValueError(f"draft_kl: {z.shape[0]} logit rows are not a multiple of {m} target rows")
-    if use_triton(z):
-        return _TritonKL.apply(z, p, neg_entropy)
+    return _TritonKL.apply(z, p, neg_entropy) if use_triton(z) else _ops(z, p, neg_entropy)
+
+
+def use_triton(z: torch.Tensor) -> bool:
+    return z.is_cuda and os.environ.get(ENV_KERNEL, "torch") == "triton"
+
+
+def _ops(z: torch.Tensor, p: torch.Tensor, neg_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = p.shape[0]
     logq = F.log_softmax(z.float(), dim=-1).view(z.shape[0] // max(m, 1), m, z.shape[-1])  # (faster than logsumexp)
     kl = (neg_entropy - (p * logq).sum(-1)).view(-1)
     return kl, z.detach().max(-1).indices  # (max() is faster than argmax)
 
 
-def use_triton(z: torch.Tensor) -> bool:
-    return z.is_cuda and os.environ.get(ENV_KERNEL, "torch") == "triton"
+def check_kernels(device: str = "cuda", *, v: int = 32000, rows: int = 300) -> dict:
+    """The Triton kernels against the PyTorch ops on random bf16 logits of ``device`` (CPU tensors need
+    ``TRITON_INTERPRET=1``), for k = 1, 3 and 4 TTT steps: the largest loss and gradient differences, whether each
+    argmax is its row's maximum (bf16 logits tie), and ``ok`` (loss within 2e-5 + 1e-5 relative, gradient within
+    one bf16 rounding). The recipe runs it before training with the kernels."""
+    out: dict = {"ok": True}
+    for k in (1, 3, 4):
+        g = torch.Generator().manual_seed(k)
+        z = (torch.randn(k * rows, v, generator=g) * 3).to(torch.bfloat16).to(device)
+        p = torch.softmax(torch.randn(rows, v, generator=g) * 2, -1).to(device)
+        negent, up = (p * p.log()).sum(-1), torch.randn(k * rows, generator=g).to(device)
+        got = {}
+        for name, fn in (("ops", _ops), ("triton", _TritonKL.apply)):
+            x = z.clone().requires_grad_(True)
+            kl, top = fn(x, p, negent)
+            (kl * up).sum().backward()
+            got[name] = kl.detach(), x.grad.float(), top
+        (kl_a, grad_a, _), (kl_b, grad_b, top_b) = got["ops"], got["triton"]
+        zf = z.float()
+        kl_err = float(((kl_b - kl_a).abs() - 1e-5 * kl_a.abs()).max())
+        grad_err = float(((grad_b - grad_a).abs() - 2 ** -7 * grad_a.abs()).max())
+        argmax_ok = bool(torch.equal(zf.gather(1, top_b[:, None]).squeeze(1), zf.max(-1).values))
+        out[f"k{k}"] = {"kl_excess": kl_err, "grad_excess": grad_err, "argmax_is_max": argmax_ok}
+        out["ok"] &= kl_err <= 2e-5 and grad_err <= 1e-6 and argmax_ok
+    return out
 
 
 class _TritonKL(torch.autograd.Function):
@@ -161,4 +191,4 @@ def _triton_grad(z, p, lse, psum, g):
     return out
 
 
-__all__ = ["ENV_KERNEL", "draft_kl", "use_triton"]
+__all__ = ["ENV_KERNEL", "check_kernels", "draft_kl", "use_triton"]
