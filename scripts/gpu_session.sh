@@ -450,6 +450,9 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
+  # the Triton kernels of these launches too (a data call cut short never reached its own save): keep the file
+  # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
+  save_kernels
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
