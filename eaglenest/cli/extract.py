@@ -86,7 +86,10 @@ def _run(params) -> dict:
                 logged[0] = p.elapsed_s
                 console.print(f"extract {p.elapsed_s:,.0f} s: {info}", markup=False, highlight=False)
 
-        return run_extraction(params, on_progress=on_progress)
+        def on_stage(name: str, seconds: float) -> None:
+            console.print(f"extract: {name} took {seconds:,.1f} s", markup=False, highlight=False)
+
+        return run_extraction(params, on_progress=on_progress, on_stage=on_stage)
 
 
 def _summary(report: dict) -> None:

@@ -107,9 +107,26 @@ def stop_servers(pool: ServerPool) -> None:
 
 
 # ------------------------------------------------------------------------------ end to end
+class Stages(dict[str, float]):
+    """Seconds each stage of a run took (the report's ``phases_s``); ``on_stage(name, seconds)`` hears each one as
+    it ends (the CLI prints them: a log that outlives the report still shows where the time went)."""
+
+    def __init__(self, on_stage: Callable[[str, float], None] | None = None) -> None:
+        super().__init__()
+        self.on_stage = on_stage
+
+    def __setitem__(self, name: str, seconds: float) -> None:
+        super().__setitem__(name, seconds)
+        if self.on_stage is not None:
+            with contextlib.suppress(Exception):  # a display never fails the run
+                self.on_stage(name, seconds)
+
+
 def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = None, pool: ServerPool | None = None,
-                   transport: httpx.AsyncBaseTransport | None = None, step: Step = direct) -> dict:
-    """Extract end to end; returns the report (also in report.json). ``step`` wraps each step's call."""
+                   transport: httpx.AsyncBaseTransport | None = None, step: Step = direct,
+                   on_stage: Callable[[str, float], None] | None = None) -> dict:
+    """Extract end to end; returns the report (also in report.json). ``step`` wraps each step's call; ``on_stage``
+    hears each stage's seconds as it ends (:class:`Stages`)."""
     t0 = time.perf_counter()
     if os.environ.get(ENV_PROFILE_DIR):  # GPU diagnostics: the request loop and validation, beside SGLang's
         from eaglenest.testing import sglang_profiler
@@ -119,7 +136,7 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
         sglang_profiler.maybe_start("check", thread_name=CHECK_THREADS + "*")
     ext = step(open_extraction, params)
     with ext.lock(), quick_gil_handoff():
-        stages: dict[str, float] = {}
+        stages = Stages(on_stage)
         early = params.self_prompts.count > 0 and not ext.path(SELF_PROMPTS).is_file()
         if early:
             pool = pool or make_pool(ext)  # the run's servers, started early: they stay for its rounds
