@@ -365,7 +365,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   if [ "${KL_AB:-0}" = 1 ]; then
     if run timeout 180 python3 -c "
 import json, sys
-from eaglenest.drafter.kl_loss import check_kernels
+from eaglenest.testing.kl_kernels import check_kernels
 r = check_kernels('cuda')
 print(json.dumps(r))
 sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; else kl_ok=0; fi

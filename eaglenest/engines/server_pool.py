@@ -251,9 +251,7 @@ class ServerPool:
         with self._lock:
             self._closing = True
         procs = [o.process for o in self._owned if o.process is not None]
-        if len(procs) <= 1:
-            for proc in procs:
-                self._stop_one(proc)
+        if not procs:
             return
         with cf.ThreadPoolExecutor(len(procs), thread_name_prefix="stop") as ex:
             for f in [ex.submit(self._stop_one, proc) for proc in procs]:

@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
-from eaglenest.drafter.kl_loss import check_kernels, draft_kl
+from eaglenest.drafter.kl_loss import draft_kl
+from eaglenest.testing.kl_kernels import check_kernels
 
 INTERPRETED = """
 import json
-from eaglenest.drafter.kl_loss import check_kernels
+from eaglenest.testing.kl_kernels import check_kernels
 # 2,500 logits a row: the last block of each tile partial; k = 3 leaves a dead row in its tile of 4
 print(json.dumps(check_kernels("cpu", v=2500, rows=5)))
 """
@@ -34,7 +35,8 @@ def test_interpreted_kernels_equal_the_ops():
 
 
 @pytest.mark.device
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA device and triton")
 def test_compiled_kernels_equal_the_ops_on_the_gpu():
     report = check_kernels("cuda")
     assert report["ok"], report
@@ -43,5 +45,12 @@ def test_compiled_kernels_equal_the_ops_on_the_gpu():
 def test_no_rows_and_a_bad_shape():
     kl, top = draft_kl(torch.zeros(0, 8, requires_grad=True), torch.zeros(0, 8), torch.zeros(0))
     assert kl.shape == (0,) and top.shape == (0,)
-    with pytest.raises(ValueError, match="not a multiple"):
-        draft_kl(torch.zeros(7, 8), torch.zeros(3, 8), torch.zeros(3))
+    for rows in (3, 0):
+        with pytest.raises(ValueError, match="not a multiple"):
+            draft_kl(torch.zeros(7, 8), torch.zeros(rows, 8), torch.zeros(rows))
+
+
+def test_a_misspelt_kernel_choice_is_refused(monkeypatch):
+    monkeypatch.setenv("EAGLENEST_KL_KERNEL", "tritn")
+    with pytest.raises(ValueError, match="EAGLENEST_KL_KERNEL='tritn'"):
+        draft_kl(torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(1))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.engines.pool import LaunchError, ServerProcess, ServerRecords, free_port, local_server
+from eaglenest.engines.pool import LaunchError, ServerRecords, free_port, local_server
 from eaglenest.engines.server_pool import LaunchSpec, ServerPool
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
@@ -112,30 +112,39 @@ def test_pool_ends_the_servers_a_killed_earlier_run_recorded(tmp_path):
     assert not record.exists()
 
 
-STUBBORN = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"]
-
-
 @dataclasses.dataclass
-class StubbornServer(ServerProcess):
-    """Ignores SIGTERM, so its stop lasts the whole grace period (SGLang's shutdown can take that long)."""
+class SlowToStop:
+    """A server whose stop lasts until every other server's stop has begun (SGLang's shutdown can take the whole
+    grace period): stops one after another never get there, and the barrier breaks."""
 
-    def stop(self, *, grace_s: float = 1.5) -> None:
-        super().stop(grace_s=grace_s)
+    url: str
+    barrier: threading.Barrier
+    pid: int | None = None
+    stopped: bool = False
+
+    def start(self):
+        self.pid = os.getpid()
+        return self
+
+    def wait_ready(self, *, timeout_s: float, ready) -> None:
+        return None
+
+    def alive(self) -> bool:
+        return not self.stopped
+
+    def stop(self) -> None:
+        self.barrier.wait()
+        self.stopped = True
 
 
-def test_pool_stops_its_servers_side_by_side(tmp_path):
-    def make(name):
-        return lambda port: StubbornServer(cmd=STUBBORN, url=f"http://127.0.0.1:{port}", log_path=tmp_path / name)
-
-    pool = ServerPool(specs=[LaunchSpec("a", make("a.log")), LaunchSpec("b", make("b.log"))], ready=lambda url: True)
+def test_pool_stops_its_servers_side_by_side():
+    barrier = threading.Barrier(3, timeout=10)
+    pool = ServerPool(specs=[LaunchSpec(n, lambda port: SlowToStop(f"http://127.0.0.1:{port}", barrier))
+                             for n in "abc"], ready=lambda url: True)
     pool.start()
-    pids = pool.pids()
-    assert len(pids) == 2
-    t = time.monotonic()
-    pool.stop()
-    took = time.monotonic() - t
-    assert all(wait_gone(pid, 5) for pid in pids)
-    assert 1.4 < took < 2.8, took  # one grace period (1.5 s) for both: one after another took two
+    assert len(pool.pids()) == 3
+    pool.stop()  # raises BrokenBarrierError when the stops come one after another
+    assert pool.pids() == []
 
 
 def test_a_launched_server_dies_with_its_launcher(tmp_path):
