@@ -359,19 +359,23 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
     > "$R/train-profile.txt" 2>&1 || true
   # KL_AB=1: the Triton kernels of the draft-vocab KL (eaglenest/drafter/kl_loss.py: one pass over the logits each
   # way instead of the fp32 log-softmax's several) checked against the PyTorch ops on this GPU, then one training
-  # step of the target's shape timed with each, alternating (about a minute, outside TRAIN_MINUTES); KL_KERNEL=auto
+  # step of the grid's shape timed with each, alternating (90 s at most, outside TRAIN_MINUTES); KL_KERNEL=auto
   # (with KL_AB=1) then trains with the kernels when they passed and were faster, triton always, torch (default) never
   kernel=${KL_KERNEL:-torch}
   if [ "${KL_AB:-0}" = 1 ]; then
-    if run timeout 180 python3 -c "
+    # the grid's draft vocabulary (its first config's), 90 s in all for the check and the four timings
+    vocab=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])).values())).get('draft_vocab_size', 32000))" "$grid")
+    kl_end=$(( $(date +%s) + 90 ))
+    if run timeout 40 python3 -c "
 import json, sys
 from eaglenest.testing.kl_kernels import check_kernels
 r = check_kernels('cuda')
 print(json.dumps(r))
 sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; else kl_ok=0; fi
     for kern in torch triton torch triton; do
-      run env EAGLENEST_KL_KERNEL=$kern timeout 120 python3 scripts/bench_train.py step --device cuda \
-        --model "$MODEL" --tokens 32768 --seq 512 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 \
+      left=$(( kl_end - $(date +%s) )); [ "$left" -gt 5 ] || break
+      run env EAGLENEST_KL_KERNEL=$kern timeout "$left" python3 scripts/bench_train.py step --device cuda \
+        --model "$MODEL" --tokens 32768 --seq 512 --vocab "$vocab" --k 4 --loss-share 0.68 --precision bf16 \
         --repeat 6 >> "$R/kl-kernels.txt" 2>&1 || true
     done
     faster=$(python3 -c "
