@@ -115,11 +115,18 @@ class Stages(dict[str, float]):
         super().__init__()
         self.on_stage = on_stage
 
-    def __setitem__(self, name: str, seconds: float) -> None:
-        super().__setitem__(name, seconds)
-        if self.on_stage is not None:
-            with contextlib.suppress(Exception):  # a display never fails the run
-                self.on_stage(name, seconds)
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Time the block as stage ``name``, also when it raises (a run that fails or is stopped reports the
+        stage it ended in, up to then)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = seconds = time.perf_counter() - t
+            if self.on_stage is not None:
+                with contextlib.suppress(Exception):  # a display never fails the run
+                    self.on_stage(name, seconds)
 
 
 def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = None, pool: ServerPool | None = None,
@@ -142,16 +149,13 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
             pool = pool or make_pool(ext)  # the run's servers, started early: they stay for its rounds
         try:
             if early:
-                t1 = time.perf_counter()
-                step(start_servers, pool)
-                stages["launch"] = time.perf_counter() - t1
-                t1 = time.perf_counter()
-                step(ask_self_prompts, ext, pool)
-                stages["self_prompts"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            prepared: Prepared = step(prepare, ext)
-            pending = step(plan, ext, prepared)
-            stages["prepare"] = time.perf_counter() - t1
+                with stages.timed("launch"):
+                    step(start_servers, pool)
+                with stages.timed("self_prompts"):
+                    step(ask_self_prompts, ext, pool)
+            with stages.timed("prepare"):
+                prepared: Prepared = step(prepare, ext)
+                pending = step(plan, ext, prepared)
         except BaseException:
             if early:  # (also when they failed to start: whatever did start is stopped)
                 with contextlib.suppress(Exception):
@@ -198,7 +202,7 @@ _handoff: dict[str, float] = {"users": 0, "before": 0.0}
 """Extractions running in this process, and the switch interval from before the first of them."""
 
 
-def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float, stages: dict[str, float],
+def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: float, stages: Stages,
          on_progress: Callable[[Progress], None] | None, pool: ServerPool | None,
          transport: httpx.AsyncBaseTransport | None, step: Step) -> dict:
     """``stages``: what ran before (prepare; launch and self_prompts when the servers started early)."""
@@ -240,42 +244,39 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
 
         pool = pool or make_pool(ext)
         ctx: RunContext | None = None
-        t1 = time.perf_counter()
         try:
             if not started:
-                step(start_servers, pool)
-                stages["launch"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            ctx = step(connect, ext, pool, transport=transport)
-            stages["connect"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            requeue, todo = [], pending
-            for round_no in range(params.max_relaunch_rounds + 1):
-                r = round_(todo)
-                requeue += r.requeue
-                todo = r.retry
-                if not todo or round_no == params.max_relaunch_rounds or pool.revive() == 0:
-                    break
-                after_revive(ctx)
-            _give_up(counts, todo)
-            if requeue:  # invalid shards, once more
-                _give_up(counts, round_(requeue, allow_requeue=False).retry)
-            stages["stream"] = time.perf_counter() - t1
+                with stages.timed("launch"):
+                    step(start_servers, pool)
+            with stages.timed("connect"):
+                ctx = step(connect, ext, pool, transport=transport)
+            with stages.timed("stream"):
+                requeue, todo = [], pending
+                for round_no in range(params.max_relaunch_rounds + 1):
+                    r = round_(todo)
+                    requeue += r.requeue
+                    todo = r.retry
+                    if not todo or round_no == params.max_relaunch_rounds or pool.revive() == 0:
+                        break
+                    after_revive(ctx)
+                _give_up(counts, todo)
+                if requeue:  # invalid shards, once more
+                    _give_up(counts, round_(requeue, allow_requeue=False).retry)
             progress(dict.fromkeys(base, 0), force=True)
             relaunches, launched, servers = pool.relaunches, pool.launched, _servers(pool)
-            step(stop_servers, pool)  # inside the try: a signal landing in this stop still ends every server
+            with stages.timed("stop_servers"):
+                step(stop_servers, pool)  # inside the try: a signal landing in this stop still ends every server
         except BaseException as e:
             # going down (an error, a signal): stop the servers directly, never through the step wrapper (its
             # Prefect API may be going down too), and let nothing raised here replace the original exception
-            t = time.perf_counter()
-            with contextlib.suppress(Exception):
+            with stages.timed("stop_servers"), contextlib.suppress(Exception):
                 pool.stop()
-            stages["stop_servers"] = time.perf_counter() - t
             _validate_left(ext, ctx, running, phases, stages)
-            _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, t1=t1, pool=pool)
+            _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, pool=pool)
             raise
     elif started:  # the servers wrote the prompts, and nothing is left to extract (every sample done before)
-        step(stop_servers, pool)
+        with stages.timed("stop_servers"):
+            step(stop_servers, pool)
     stages.update(_phase_seconds(phases))
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
                 servers_launched=launched, phases=stages, rates=phases.rates(), servers=servers)
@@ -294,18 +295,14 @@ def _phase_seconds(phases: Phases) -> dict[str, float]:
 
 
 def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running: Sequence[RoundResult],
-                   phases: Phases, stages: dict[str, float], error: BaseException, *, t0: float, t1: float,
-                   pool: ServerPool) -> None:
+                   phases: Phases, stages: Stages, error: BaseException, *, t0: float, pool: ServerPool) -> None:
     """report.json of a run that an exception ends: what it did up to then (the round in progress included) and
     what stays pending. Written directly (not through the step wrapper) and never raising: the caller re-raises
     ``error``."""
     now = time.perf_counter()
     for r in running:  # its stream() settled these counts on the way out
         counts.add(r.counts)
-    stage = next((k for k in ("launch", "connect", "stream") if k not in stages), None)
-    if stage is not None:
-        stages[stage] = now - t1  # the step it ended in, up to now
-    stages.update(_phase_seconds(phases))
+    stages.update(_phase_seconds(phases))  # (the stage it ended in was timed up to the exception)
     status = "failed" if isinstance(error, Exception) else "interrupted"
     with contextlib.suppress(Exception):
         write_report(ext, prepared, counts, wall_s=now - t0, relaunches=pool.relaunches,
@@ -314,20 +311,19 @@ def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running:
 
 
 def _validate_left(ext: Extraction, ctx: RunContext | None, running: Sequence[RoundResult], phases: Phases,
-                   stages: dict[str, float]) -> None:
+                   stages: Stages) -> None:
     """An interrupted round's answered-but-unvalidated samples, validated now that the servers are stopped (within
     ``stop_validate_s``; see :func:`~eaglenest.extraction.validator.validate_left`). Never raises: a second signal or
     a failing check ends it, and what reached the ledger stays."""
     left = [s for r in running for s in r.unvalidated]
     if ctx is None or not left or ext.params.stop_validate_s <= 0:
         return
-    t = time.perf_counter()
-    try:
-        validate_left(ext, ctx, left, running[-1].counts, budget_s=ext.params.stop_validate_s,
-                      phase=phases.validate)
-    except BaseException as e:  # the run is ending by another exception, which the caller re-raises
-        log.warning("validating the %d samples left after the stop ended early: %s", len(left), e)
-    stages["stop_validate"] = time.perf_counter() - t
+    with stages.timed("stop_validate"):
+        try:
+            validate_left(ext, ctx, left, running[-1].counts, budget_s=ext.params.stop_validate_s,
+                          phase=phases.validate)
+        except BaseException as e:  # the run is ending by another exception, which the caller re-raises
+            log.warning("validating the %d samples left after the stop ended early: %s", len(left), e)
 
 
 def _give_up(counts: Counts, retry: Sequence[Sample]) -> None:

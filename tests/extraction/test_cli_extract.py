@@ -18,7 +18,7 @@ def test_cli_extracts_and_resumes(tiny_model_dir, tmp_path, capture_servers):
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert report["complete"] and report["done"] == report["samples"] > 0
     assert report["done"] == len((out / "cli" / "ledger.jsonl").read_text().splitlines())
-    for stage in ("prepare", "connect", "stream"):  # each stage's time on stderr as it ends (a log outlives a report)
+    for stage in ("prepare", "connect", "stream", "stop_servers"):  # on stderr as each ends (a log outlives a report)
         assert f"extract: {stage} took" in result.stderr, result.stderr
     sent = engine.stats["requests"]
     again = CliRunner().invoke(app, args)
