@@ -55,6 +55,10 @@
 # carried answers (SOURCE and LIMIT as when they were written: capture only, ~120 shards/s from two servers), train
 # (lr 1e-3, the schedule finishing in TRAIN_MINUTES), bench. On 2026-12-04b the validation, in threads then, kept up
 # with 79 shards/s and the budget ended with 10,604 of 18,361 captured shards validated (now in processes on the GPU host).
+# Continuing n6 without its answers (lost): setup x3 (.device/site.tar.xz .device/bin; .device/bin .device/gguf1;
+# .device/bin and .gpu-drafters/parts-n6/drafter-n6.tar.partaa, ab, ac), data with a new SELF_SEED (EXTRACT_S=420 in
+# a 590-s call), train with .device/bin and parts ad, ae (INIT_FROM=parts:n6, lr 1e-3 in the grid, KL_AB=1
+# KL_KERNEL=auto), bench.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
