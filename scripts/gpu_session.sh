@@ -35,14 +35,14 @@
 # STORE=extraction EXTRACT_S=330-360: 14-18K samples, the cold servers ready after 85-208 s), train (a one-config GRID,
 # TRAIN_MINUTES=5-5.5) and bench (STEPS=3, ~285 s) use ~1,600 s; the data call returns the answers and the train
 # call the drafter: keep them (.gpu-logs, .gpu-drafters) to continue in the next window rather than start over.
-# Untested on the GPU yet: SELF_COUNT=14000 SELF_SEED=N STARTER_SET="kinds code" SOURCE=train-1tc.jsonl.xz on the data
-# call instead of a prompts call (the extraction's servers write the prompts first: one launch, about 100 s less);
+# SELF_COUNT=14000 SELF_SEED=N STARTER_SET="kinds code" SOURCE=train-1tc.jsonl.xz on the data call instead of a
+# prompts call (the extraction's servers write the prompts first: one launch, about 100 s less);
 # EXTRACT_S then covers the prompts too (14K took about 150 s on one H200 server). The data call's limit must hold
 # the model (~40 s) + EXTRACT_S + the stop (STOP_VALIDATE_S + up to 45 s, bounded by timeout -k) + packing the
 # answers (~10 s): EXTRACT_S=420 with STOP_VALIDATE_S=60 in a 590-s call. Run on the H100 (2026-12-05c, seed 7):
 # launch + 14K prompts took 269 s before the first answer, then 220 s of streaming gave 12,995 captured samples,
-# all validated (542 of them in the 16 s after the TERM); EXTRACT_S=490 in a 585-s call left too little for the stop, and the
-# answers were lost again.
+# all validated (542 of them in the 16 s after the TERM); EXTRACT_S=490 in a 585-s call left too little for the
+# stop, and the answers were lost again.
 # On an H100 (results/2026-12-05b-h100, seed 6 used; 91 s lost to a refused H200 start first) the same plan gave the
 # weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
 # when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
@@ -391,9 +391,9 @@ for line in open(sys.argv[1]):
         best[r['kl_kernel']] = min(best.get(r['kl_kernel'], 1e9), r['step_s'])
 print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', best)" "$R/kl-kernels.txt" || echo torch)
     echo "KL kernels: check passed=$kl_ok; best step_s: $faster" | tee -a "$R/kl-kernels.txt" >&2
-    if [ "$kernel" = auto ]; then kernel=torch; [ "$kl_ok" = 1 ] && [ "${faster%% *}" = triton ] && kernel=triton; fi
+    if [ "$kernel" = auto ] && [ "$kl_ok" = 1 ] && [ "${faster%% *}" = triton ]; then kernel=triton; fi
   fi
-  [ "$kernel" = auto ] && kernel=torch
+  [ "$kernel" = auto ] && kernel=torch  # (auto without KL_AB=1, or the kernels failed the check or were slower)
   echo "training with the KL in $kernel" >&2
   export EAGLENEST_KL_KERNEL=$kernel
   evals=()
