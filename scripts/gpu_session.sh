@@ -334,14 +334,61 @@ train)
   copy_parts
   init=; [ -z "${INIT_FROM:-}" ] || init=", \"init_from\": \"$(init_drafter "$INIT_FROM")\""
   [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
+  # KL_KERNEL (auto): the draft-vocab KL in Triton kernels (eaglenest/drafter/kl_loss.py: one pass over the logits
+  # each way instead of the fp32 log-softmax's several) or the PyTorch ops. Unless torch, the kernels are first
+  # checked against the ops on this GPU (~10 s; a failed check trains with the ops). KL_AB=1 then times one training
+  # step of the grid's shape with each, alternating (90 s at most with the check, outside TRAIN_MINUTES), and auto
+  # takes the faster; without it auto takes the kernels once checked (2026-12-05d, H100: 0.108 s a step against
+  # 0.169 s, 155.6K tok/s in training against 122.2K)
+  kernel=${KL_KERNEL:-auto}
+  case "$kernel" in auto|torch|triton) ;; *) echo "KL_KERNEL must be auto, torch or triton, got '$kernel'" >&2; exit 2 ;; esac
+  kl_ok=0; faster=
+  if [ "$kernel" != torch ]; then
+    kl_end=$(( $(date +%s) + 90 ))
+    if run timeout 40 python3 -c "
+import json, sys
+from eaglenest.testing.kl_kernels import check_kernels
+r = check_kernels('cuda')
+print(json.dumps(r))
+sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; fi
+    if [ "${KL_AB:-0}" = 1 ]; then
+      # the grid's draft vocabulary (its first config's)
+      vocab=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])).values())).get('draft_vocab_size', 32000))" "$grid")
+      for kern in torch triton torch triton; do
+        left=$(( kl_end - $(date +%s) )); [ "$left" -gt 5 ] || break
+        run env EAGLENEST_KL_KERNEL=$kern timeout "$left" python3 scripts/bench_train.py step --device cuda \
+          --model "$MODEL" --tokens 32768 --seq 512 --vocab "$vocab" --k 4 --loss-share 0.68 --precision bf16 \
+          --repeat 6 >> "$R/kl-kernels.txt" 2>&1 || true
+      done
+      faster=$(python3 -c "
+import json, sys
+best = {}
+for line in open(sys.argv[1]):
+    if line.startswith('{') and '\"kl_kernel\"' in line:
+        r = json.loads(line)
+        best[r['kl_kernel']] = min(best.get(r['kl_kernel'], 1e9), r['step_s'])
+print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', best)" "$R/kl-kernels.txt" || echo torch)
+      echo "KL kernels: best step_s: $faster" | tee -a "$R/kl-kernels.txt" >&2
+    fi
+    [ "$kl_ok" = 1 ] || { echo "the Triton KL kernels failed their check on this GPU ($R/kl-check.txt): the ops" >&2
+                           kernel=torch; }
+    if [ "$kernel" = auto ]; then kernel=triton; [ -z "$faster" ] || kernel=${faster%% *}; fi
+  fi
+  echo "training with the KL in $kernel" >&2
+  export EAGLENEST_KL_KERNEL=$kernel
   # epochs (in tenths) that end within 85% of the time budget at TRAIN_TOK_S per config, so the step schedule finishes
   # and the budget stays a safety stop. Measured per config: 80.4-80.7K tok/s two at once on first-turn samples
   # (2026-12-02b), 82.4K alone on 8-turn samples; 44-49K two at once on longer samples (2026-12-01); 108.4K at 32K
   # tokens per step (vocab 16000) beside 73.5K at 16K (vocab 32000), two at once (2026-12-02e): size for the slower;
   # 143.6K alone at gpu_sweep's 32K tokens a step (vocab 32000, 2026-12-04)
-  # TRAIN_TOK_S by card when not given: 116.9K tok/s on the H100 (n5, 2026-12-05), 143.6K on the H200 (n2, 2026-12-04)
+  # TRAIN_TOK_S by card and kernel when not given, one config alone: the ops 116.9-122.2K tok/s on the H100 (n5, n6),
+  # 143.6K on the H200 (n2); the Triton kernels 155.6K on the H100 (n7; sized for the ops, its schedule ended after
+  # 207 s of 312), not yet measured on the H200 (the H100's 1.27x assumed: 140K x 1.25)
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
-  case "$card" in *H100*) tok_s=${TRAIN_TOK_S:-115000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;; esac
+  case "$card/$kernel" in
+    *H100*/triton) tok_s=${TRAIN_TOK_S:-150000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
+    */triton) tok_s=${TRAIN_TOK_S:-175000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
+  esac
   epochs=${EPOCHS:-$(python3 -c "
 import math
 from eaglenest.drafter.config import TrainConfig
@@ -349,7 +396,7 @@ from eaglenest.store.extraction import open_samples
 held = TrainConfig.model_fields['eval_fraction'].default  # the held-out split is not trained on
 tokens = int(open_samples('$TRAIN_DATA', check_sha256=False).num_tokens.sum()) * (1 - held)
 print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / tokens) / 10))")}
-  echo "training $epochs epochs" >&2
+  echo "training $epochs epochs ($tok_s tok/s assumed)" >&2
   # PROFILE=1: where a training step's GPU time goes (random data of the target's shape, one profiled step, at
   # gpu_sweep's tokens a step; 0.68 of the tokens under the loss, as in the 2026-12-04 extraction). That day's
   # trainer waited 61 ms a step for the device after 145 ms of its own host work: on real rows the device, not the
@@ -361,41 +408,6 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   [ "${PROFILE:-0}" != 1 ] || run timeout 150 python3 scripts/bench_train.py step --device cuda --model "$MODEL" \
     --tokens 32768 --seq 512 2048 --vocab 32000 --k 4 --loss-share 0.68 --precision bf16 --profile 40 \
     > "$R/train-profile.txt" 2>&1 || true
-  # KL_AB=1: the Triton kernels of the draft-vocab KL (eaglenest/drafter/kl_loss.py: one pass over the logits each
-  # way instead of the fp32 log-softmax's several) checked against the PyTorch ops on this GPU, then one training
-  # step of the grid's shape timed with each, alternating (90 s at most, outside TRAIN_MINUTES); KL_KERNEL=auto
-  # (with KL_AB=1) then trains with the kernels when they passed and were faster, triton always, torch (default) never
-  kernel=${KL_KERNEL:-torch}
-  if [ "${KL_AB:-0}" = 1 ]; then
-    # the grid's draft vocabulary (its first config's), 90 s in all for the check and the four timings
-    vocab=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])).values())).get('draft_vocab_size', 32000))" "$grid")
-    kl_end=$(( $(date +%s) + 90 ))
-    if run timeout 40 python3 -c "
-import json, sys
-from eaglenest.testing.kl_kernels import check_kernels
-r = check_kernels('cuda')
-print(json.dumps(r))
-sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; else kl_ok=0; fi
-    for kern in torch triton torch triton; do
-      left=$(( kl_end - $(date +%s) )); [ "$left" -gt 5 ] || break
-      run env EAGLENEST_KL_KERNEL=$kern timeout "$left" python3 scripts/bench_train.py step --device cuda \
-        --model "$MODEL" --tokens 32768 --seq 512 --vocab "$vocab" --k 4 --loss-share 0.68 --precision bf16 \
-        --repeat 6 >> "$R/kl-kernels.txt" 2>&1 || true
-    done
-    faster=$(python3 -c "
-import json, sys
-best = {}
-for line in open(sys.argv[1]):
-    if line.startswith('{') and '\"kl_kernel\"' in line:
-        r = json.loads(line)
-        best[r['kl_kernel']] = min(best.get(r['kl_kernel'], 1e9), r['step_s'])
-print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', best)" "$R/kl-kernels.txt" || echo torch)
-    echo "KL kernels: check passed=$kl_ok; best step_s: $faster" | tee -a "$R/kl-kernels.txt" >&2
-    if [ "$kernel" = auto ] && [ "$kl_ok" = 1 ] && [ "${faster%% *}" = triton ]; then kernel=triton; fi
-  fi
-  [ "$kernel" = auto ] && kernel=torch  # (auto without KL_AB=1, or the kernels failed the check or were slower)
-  echo "training with the KL in $kernel" >&2
-  export EAGLENEST_KL_KERNEL=$kernel
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from eaglenest.drafter.kl_loss import draft_kl
+from eaglenest.drafter.kl_loss import auto_triton, draft_kl, use_triton
 from eaglenest.testing.kl_kernels import check_kernels
 
 INTERPRETED = """
@@ -54,3 +54,12 @@ def test_a_misspelt_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("EAGLENEST_KL_KERNEL", "tritn")
     with pytest.raises(ValueError, match="EAGLENEST_KL_KERNEL='tritn'"):
         draft_kl(torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(1))
+
+
+def test_auto_takes_the_kernels_only_on_checked_gpus(monkeypatch):
+    assert auto_triton((9, 0), True)
+    assert not auto_triton((9, 0), False)  # no Triton: the ops
+    assert not auto_triton((8, 0), True) and not auto_triton((12, 0), True)  # not checked there
+    for choice in ("auto", "triton", "torch"):  # a CPU tensor always takes the ops
+        monkeypatch.setenv("EAGLENEST_KL_KERNEL", choice)
+        assert not use_triton(torch.zeros(2, 8))
