@@ -55,10 +55,14 @@
 # carried answers (SOURCE and LIMIT as when they were written: capture only, ~120 shards/s from two servers), train
 # (lr 1e-3, the schedule finishing in TRAIN_MINUTES), bench. On 2026-12-04b the validation, in threads then, kept up
 # with 79 shards/s and the budget ended with 10,604 of 18,361 captured shards validated (now in processes on the GPU host).
-# Continuing n6 without its answers (lost): setup x3 (.device/site.tar.xz .device/bin; .device/bin .device/gguf1;
-# .device/bin and .gpu-drafters/parts-n6/drafter-n6.tar.partaa, ab, ac), data with a new SELF_SEED (EXTRACT_S=420 in
-# a 590-s call), train with .device/bin and parts ad, ae (INIT_FROM=parts:n6, lr 1e-3 in the grid, KL_AB=1
-# KL_KERNEL=auto), bench.
+# Continuing n7 (results/2026-12-05d-h100: setup x3 with the H100's start 130 s, data 517 s, train 325 s, bench 305 s,
+# tree bench 145 s, steps-2 bench 120 s): setup x3 (.device/site.tar.xz .device/bin .gpu-logs/triton-cache.tar.xz;
+# .device/bin .device/gguf1; .device/bin and .gpu-drafters/parts-n7/drafter-n7.tar.partaa, ab, ac), data with a new
+# SELF_SEED (9; EXTRACT_S=400 STOP_VALIDATE_S=60 in a 575-s call), train with .device/bin and parts ad, ae
+# (INIT_FROM=parts:n7, lr 1e-3 in the grid; the KL kernels are checked and used by default, so no KL_AB: the ~80 s
+# go to TRAIN_MINUTES=6.5), bench, then the tree. Seed 8's answers came back (.gpu-logs/regen-logs-train-1tc-t1-
+# l40000-self8x14000.tar.xz.partaa, 11 MB) but replaying them beside new prompts needs their prompts in SOURCE, not
+# tried: the new seed alone gave n7 its +0.11-0.25.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -73,7 +77,7 @@
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete; empty: free prompts), DRAFTERS
-# (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 checks the Triton KL kernels on the GPU and times them against the PyTorch ops first), KL_KERNEL (train: torch; triton; auto: the faster when KL_AB=1 passed). Timings seen on the H200: setup
+# (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
