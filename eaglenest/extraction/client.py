@@ -15,8 +15,8 @@ Owns how requests reach servers and which failures are retried:
   tokens, 413 context, 422 capture invalid), 507 (disk full: the server is also taken out of the call,
   no retry storm), and contract violations in an answer (a job's or the call's check).
 - A server with ``down_after`` consecutive connection failures whose ``/health`` does not answer either
-  (or a full window of timeouts) is taken out of this call; when none is left, the rest fails fast as
-  retryable ``server_unavailable`` (the caller relaunches).
+  (``probe_attempts`` probes, each on a new connection) or a full window of timeouts is taken out of this
+  call; when none is left, the rest fails fast as retryable ``server_unavailable`` (the caller relaunches).
 
 Invariants: every job ends exactly once, as an :class:`Answer` or a :class:`Failure`; no request is
 sent for a job after its terminal failure; the transport and the sleep function are injectable.
@@ -51,6 +51,12 @@ class ClientConfig:
     down_after: int = 3
     """Consecutive connection failures (when ``/health`` then fails too), or max(down_after, concurrency)
     consecutive timeouts, after which a server takes no more work in this call."""
+    probe_attempts: int = 3
+    """``/health`` probes, ``probe_interval_s`` apart, each on a new connection, before a server whose requests
+    failed to connect ``down_after`` times in a row is taken out: one failed probe is not enough (on the H100 on
+    2026-12-05 both live servers were taken out at once after a burst of resets, which ended the round with
+    18,233 samples to retry and aborted ~1,000 requests in flight)."""
+    probe_interval_s: float = 1.0
     lanes: tuple[tuple[str, int], ...] = ()
     """Named lanes and their requests in flight per server, beside the default lane's ``concurrency``."""
     keepalive_expiry_s: float = 2.0
@@ -64,8 +70,9 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if (self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or self.pool_size < 1
-                or any(n < 1 for _, n in self.lanes)):
-            raise ValueError("concurrency, lane sizes, max_attempts, down_after and pool_size must be >= 1")
+                or self.probe_attempts < 1 or any(n < 1 for _, n in self.lanes)):
+            raise ValueError("concurrency, lane sizes, max_attempts, down_after, pool_size and probe_attempts "
+                             "must be >= 1")
 
 
 Check = Callable[["Job", dict[str, Any]], str | None]
@@ -344,7 +351,7 @@ class EngineClient:
             except _Attempt as e:
                 job.errors.append(f"{server.url}: {e.message}")
                 if e.server_down or (self._looks_dead(server, e.reason)
-                                     and not await self._still_answers(client, server, e.reason)):
+                                     and not await self._still_answers(server, e.reason)):
                     self._take_down(server, job.errors)
                 if e.kind == "retryable" and job.attempts < self.config.max_attempts:
                     self.stats.retries += 1
@@ -369,21 +376,30 @@ class EngineClient:
             return server.timeouts >= max(self.config.down_after, self.config.concurrency)
         return False
 
-    async def _still_answers(self, client: httpx.AsyncClient, server: _Server, reason: str) -> bool:
+    async def _still_answers(self, server: _Server, reason: str) -> bool:
         """After a streak of connection failures: does ``/health`` answer? Under load a live server can reset
         a burst of connections (keep-alive races, a full accept backlog); taking it out would fail everything
-        queued and end the round (on the H200 this cost a round restart and about a minute of idle GPU). A
-        live server stays in with its streak reset; timeouts are judged by their window alone."""
+        queued and end the round (on the H200 this cost a round restart and about a minute of idle GPU). Each
+        probe opens its own connection (a pooled one may be one the burst reset), up to ``probe_attempts``
+        times. A live server stays in with its streak reset; timeouts are judged by their window alone."""
         if reason != "connection":
             return False
+        cfg = self.config
         async with server.probing:
             if server.down or not self._looks_dead(server, reason):
                 return not server.down  # a probe meanwhile decided
-            try:
-                r = await client.get(f"{server.url}/health", timeout=self.config.connect_timeout_s)
-                alive = r.status_code == 200
-            except httpx.HTTPError:
-                alive = False
+            alive = False
+            async with httpx.AsyncClient(timeout=cfg.connect_timeout_s, transport=self._transport,
+                                         verify=self._tls, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                for attempt in range(cfg.probe_attempts):
+                    if attempt:
+                        await self._sleep(cfg.probe_interval_s)
+                    try:
+                        alive = (await c.get(f"{server.url}/health")).status_code == 200
+                    except httpx.HTTPError:
+                        alive = False
+                    if alive:
+                        break
             if alive:
                 server.failures = 0
                 self.stats.streaks_survived += 1

@@ -149,6 +149,30 @@ def test_a_live_server_that_resets_a_burst_of_connections_keeps_its_work():
     assert res.stats.servers_down == [] and res.stats.streaks_survived >= 1 and rec.probes
 
 
+@pytest.mark.parametrize(("probe_attempts", "stays"), [(3, True), (1, False)])
+def test_a_server_whose_first_probes_fail_is_probed_again_before_it_goes(probe_attempts, stays):
+    """On the H100 (2026-12-05) both live servers went out at once after a burst of resets: the round ended and
+    ~1,000 requests in flight were aborted. A probe that fails (a reset connection) is tried again."""
+    def rule(req, n, tries):
+        if 5 <= n <= 14:
+            raise httpx.ReadError("", request=req)
+        return ok(req)
+
+    def health(req):
+        if len(rec.probes) <= 2:  # the first two probes meet the same resets
+            raise httpx.ReadError("", request=req)
+        return httpx.Response(200)
+
+    rec = Recorder(rule, health=health)
+    res = run(rec, n=30, servers=(A, B), max_attempts=4, down_after=2, probe_attempts=probe_attempts)
+    if stays:  # nothing failed, nothing left for another round
+        assert len(res.answers) == 30 and not res.failures
+        assert res.stats.servers_down == [] and res.stats.streaks_survived >= 1 and len(rec.probes) >= 3
+    else:  # one probe each: both servers out, the rest of the round fails (the H100's incident)
+        assert sorted(res.stats.servers_down) == [A, B] and "ReadError" in res.stats.down_reasons[0]
+        assert len(res.answers) < 30 and {f.kind for f in res.failures.values()} == {"retryable"}
+
+
 def test_all_servers_dead_fails_fast_as_retryable():
     rec = Recorder(lambda req, n, tries: (_ for _ in ()).throw(httpx.ConnectError("refused", request=req)),
                    health=refuse)
