@@ -58,7 +58,9 @@
 # Continuing n7 (results/2026-12-05d-h100: setup x3 with the H100's start 130 s, data 517 s, train 325 s, bench 305 s,
 # tree bench 145 s, steps-2 bench 120 s): setup x3 (.device/site.tar.xz .device/bin .gpu-logs/triton-cache.tar.xz;
 # .device/bin .device/gguf1; .device/bin and .gpu-drafters/parts-n7/drafter-n7.tar.partaa, ab, ac), data with a new
-# SELF_SEED (9; EXTRACT_S=400 STOP_VALIDATE_S=60 in a 575-s call), train with .device/bin and parts ad, ae
+# SELF_SEED (9; EXTRACT_S=440 STOP_VALIDATE_S=60 in a 590-s call: on 2026-12-05d the model, the stop and the answers'
+# pack took 110 s beside EXTRACT_S=400; the Triton cache matters: the first server's decode CUDA graphs took 78.6 s
+# to capture on a cold cache, the second's 6.5 s once the first had filled it), train with .device/bin and parts ad, ae
 # (INIT_FROM=parts:n7, lr 1e-3 in the grid; the KL kernels are checked and used by default, so no KL_AB: the ~80 s
 # go to TRAIN_MINUTES=6.5), bench, then the tree. Seed 8's answers came back (.gpu-logs/regen-logs-train-1tc-t1-
 # l40000-self8x14000.tar.xz.partaa, 11 MB) but replaying them beside new prompts needs their prompts in SOURCE, not
