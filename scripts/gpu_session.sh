@@ -47,7 +47,7 @@
 # weakest drafter yet: the cold servers took 117 s, validation ran behind the capture (8,920 of 14,669 validated
 # when EXTRACT_S ended), the run then hung on its killed check processes until the call's limit (both fixed since:
 # STOP_VALIDATE_S, check processes that ignore the group's SIGTERM) and training had 4 minutes (740 steps; n2 had
-# 1,229 in 5). When time is short, CAPTURE_CALIB=0 (about 150 s: the offline side is then the held-out split alone)
+# 1,229 in 5). When time was short, CAPTURE_CALIB=0 (about 150 s: the offline side is then the held-out split alone)
 # buys training minutes; the schedule must finish in TRAIN_MINUTES (TRAIN_TOK_S about 117K on the H100).
 # Continuing (results/2026-12-04b-h200, ~1,670 s): each call carries at most 64 MiB with the working tree (~9 MB), so
 # setup x3 share the kit, gguf1, the answers' parts and the prompt pack, and the drafter's parts (drafter-NAME.tar.part*
@@ -64,7 +64,10 @@
 # (INIT_FROM=parts:n7, lr 1e-3 in the grid; the KL kernels are checked and used by default, so no KL_AB: the ~80 s
 # go to TRAIN_MINUTES=6.5), bench, then the tree. Seed 8's answers came back (.gpu-logs/regen-logs-train-1tc-t1-
 # l40000-self8x14000.tar.xz.partaa, 11 MB) but replaying them beside new prompts needs their prompts in SOURCE, not
-# tried: the new seed alone gave n7 its +0.11-0.25.
+# tried: the new seed alone gave n7 its +0.11-0.25. The eval prompts are now captured by the extraction's own
+# servers (CAPTURE_CALIB=1, the default; first run on a GPU: the report's run.eval_capture and phases_s.eval_capture
+# tell what it cost; a failure there is reported and the extraction goes on), so the train step's eval curves and
+# the bench's offline side are back without the separate capture's 80-150 s.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -74,7 +77,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1; 0: no calibration capture), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, 140000 on an H200, 115000 on an H100: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
@@ -203,6 +206,25 @@ data)
   # the extraction gets EXTRACT_S seconds (SIGTERM: it stops its servers; what is validated stays) so the stores
   # and the calibration capture still fit in the call; `data` again resumes it (the stores are then rebuilt,
   # reusing every data file already written)
+  # CAPTURE_CALIB (1): the target's greedy answers to the eval prompt sets captured for the offline side, by the
+  # extraction's own servers before its samples (--eval-prompts: no launch of its own; the separate capture cost
+  # 80-150 s), or by a separate capture when there is no extraction (EXTRACT=0) or CAPTURE_CALIB=separate; 0: none.
+  # The first NUM_PROMPTS of each set: exactly the prompts the bench step decodes live (same files, same order)
+  case "${CAPTURE_CALIB:-1}" in
+    0) calib_mode=none ;; separate) calib_mode=separate ;; 1) calib_mode=inline; [ "${EXTRACT:-1}" != 0 ] || calib_mode=separate ;;
+    *) echo "CAPTURE_CALIB must be 1, separate or 0, got '$CAPTURE_CALIB'" >&2; exit 2 ;;
+  esac
+  [ "$calib_mode" = none ] || python3 -c "
+import json
+from collections import Counter
+seen, keep = Counter(), []
+for line in open('/tmp/gpu/calib.jsonl'):
+    row = json.loads(line)
+    seen[row['prompt_set']] += 1
+    if seen[row['prompt_set']] <= $NUM_PROMPTS:
+        keep.append(line)
+open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)" || { echo "no eval prompts (/tmp/gpu/calib.jsonl): no calibration capture" >&2
+                                                         calib_mode=none; }
   extract() {  # $1 servers, $2 seconds
     local prof=() dmon=
     if [ "${PROFILE:-0}" = 1 ]; then  # where the time goes: GPU use each second, SGLang's scheduler/HTTP stacks
@@ -228,6 +250,8 @@ data)
       own=(--self-prompts "$SELF_COUNT" --self-seed "${SELF_SEED:-0}" --self-exclude-file .gpu/eval-user-texts.json)
       for set in ${STARTER_SET-kinds}; do own+=(--self-starter-set "$set"); done
     fi
+    [ "$calib_mode" != inline ] || own+=(--eval-prompts /tmp/gpu/calib-first.jsonl --eval-output-dir /tmp/calib
+                                         --eval-max-new-tokens 256)
     # after the TERM the run stops its servers (side by side, 10 s grace), validates for STOP_VALIDATE_S and writes
     # its report; -k bounds all of that, so the answers below are always packed inside the call (2026-12-05c on
     # the H100: the call's own limit came first, the answers were never packed, and the run outlived the script)
@@ -277,34 +301,25 @@ json.dump({r: p.summarize(empty, p.snapshot('$R/prof', r), top=30) for r in ('sc
           sys.stdout, indent=1)
 " > "$R/profile.json" || true
   [ "${PROFILE:-0}" != 1 ] || python3 scripts/profile_gaps.py --dmon "$R/dmon.txt" --prof "$R/prof" > "$R/gaps.json" || true
-  # the calibration capture (the target's greedy answers to the eval prompt sets) beside the conversions
-  # (CAPTURE_CALIB=0: none, for a call that only measures the extraction)
-  # the first NUM_PROMPTS of each set: exactly the prompts the bench step decodes live (same files, same order)
-  calib=; rm -f "$W/calib.log"; [ "${CAPTURE_CALIB:-1}" = 0 ] || run python3 -c "
-import json
-from collections import Counter
+  # CAPTURE_CALIB=separate (or no extraction): the calibration capture on a server of its own, beside the conversions
+  calib=; rm -f "$W/calib.log"; [ "$calib_mode" != separate ] || run python3 -c "
 from eaglenest.speculative.calibration import CaptureSettings, capture_answers
-seen, keep = Counter(), []
-for line in open('/tmp/gpu/calib.jsonl'):
-    row = json.loads(line)
-    seen[row['prompt_set']] += 1
-    if seen[row['prompt_set']] <= $NUM_PROMPTS:
-        keep.append(line)
-open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)
 s = CaptureSettings(model='$MODEL', engine='sglang', max_new_tokens=256, batch_size=512, concurrency=256,
                     sglang_args=['--attention-backend', 'triton', '--sampling-backend', 'pytorch',
                                  '--mem-fraction-static', '0.3'])
 folder, rep = capture_answers('/tmp/gpu/calib-first.jsonl', s, '/tmp/calib')
 print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log" 2>&1 &
-  [ "${CAPTURE_CALIB:-1}" = 0 ] || calib=$!
+  [ "$calib_mode" != separate ] || calib=$!
   if [ "$STORE" = bf16 ]; then run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-bf16 --partial; fi
   if [ "$STORE" = fp8 ] || [ "${FP8:-0}" = 1 ]; then
     run python3 -m eaglenest store convert /tmp/ext/regen /tmp/store-fp8 --partial --encoding fp8 --device cuda
   fi
   if [ -n "$calib" ]; then  # (a call without one reports none: an earlier call's capture is not this call's)
     wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
-    tail -3 "$W/calib.log"
-    cp "$W/calib.log" "$R/"; cp /tmp/calib/calibration/report.json "$R/calibration-capture.json" 2>/dev/null || true
+    tail -3 "$W/calib.log"; cp "$W/calib.log" "$R/"
+  fi
+  if [ "$calib_mode" != none ] && [ -f /tmp/calib/calibration/report.json ]; then
+    cp /tmp/calib/calibration/report.json "$R/calibration-capture.json"
     # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token
     # sequences (carried into a fresh extraction folder they are replayed, not generated) to compare features
     (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true

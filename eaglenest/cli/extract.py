@@ -31,6 +31,8 @@ EXTRACT_FLAGS = {
     "self_prompts.temperature": "--self-temperature", "self_prompts.top_p": "--self-top-p",
     "self_prompts.max_new_tokens": "--self-max-new-tokens", "self_prompts.starter_sets": "--self-starter-set",
     "self_prompts.exclude_prompt_sets": "--self-exclude-prompt-set", "self_prompts.exclude_file": "--self-exclude-file",
+    "eval_capture.prompts": "--eval-prompts", "eval_capture.max_new_tokens": "--eval-max-new-tokens",
+    "eval_capture.output_dir": "--eval-output-dir", "eval_capture.extraction_id": "--eval-extraction-id",
 }
 """Option names that differ from the field names (shorter, or singular for repeatable options)."""
 

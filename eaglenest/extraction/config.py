@@ -84,6 +84,24 @@ class SelfPromptParams(BaseModel):
         return self.model_dump()
 
 
+class EvalCaptureParams(BaseModel):
+    """The offline side of a live benchmark, on the run's own servers: before the run's samples they answer the
+    benchmark's prompts greedily and capture them into an extraction of their own, never this one (a prompt
+    set is never trained on). ``bench offline`` and the training's eval sets read it; it needs no launch of
+    its own (on an H100 the separate calibration capture cost 80-150 s of a 30-minute window). It runs when the
+    run has samples to extract (its servers are up); a later such run finishes what it left."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=show_bounds)
+
+    prompts: str | None = Field(None, description=(
+        "The prompt sets a live benchmark decodes: JSONL records {id: '<set>:<prompt id>', messages} as "
+        "`eaglenest bench prompts --format messages` writes them (None = no eval capture)."))
+    max_new_tokens: int = Field(256, ge=1, le=8192, description=(
+        "The live benchmark's answer cap (an answer cut there is kept, as live keeps it)."))
+    output_dir: str | None = Field(None, description="Folder of the eval extraction (default: the run's output_dir).")
+    extraction_id: str = Field("calibration", pattern=ID_PATTERN, description="Its folder name there.")
+
+
 def default_capture_concurrency(concurrency: int) -> int:
     """Capture requests in flight per server beside ``concurrency`` generations, when not given."""
     return max(1, concurrency // 4)
@@ -134,6 +152,9 @@ class ExtractParams(BaseModel):
         "Let the target answer the prompts itself (off: capture the source's own answers)."))
     self_prompts: SelfPromptParams = Field(default_factory=SelfPromptParams, description=(
         "Let the target write user prompts as well, answered before the source's records (needs regeneration)."))
+    eval_capture: EvalCaptureParams = Field(default_factory=EvalCaptureParams, description=(
+        "Capture a benchmark's prompt sets first, into an extraction of their own (the offline side of the live "
+        "benchmark; needs regeneration)."))
     extraction_id: str | None = Field(None, pattern=ID_PATTERN, description=(
         "Name of the extraction folder; default = a hash of the content-defining parameters, so the same "
         "request resumes the same extraction."))
@@ -197,6 +218,15 @@ class ExtractParams(BaseModel):
         if self.self_prompts.count and not self.regeneration.enabled:
             raise ValueError("self_prompts: the target's own prompts come without answers; they need "
                              "regeneration.enabled (the regenerate recipe)")
+        if self.eval_capture.prompts:
+            if not self.regeneration.enabled:
+                raise ValueError("eval_capture: the target answers the benchmark's prompts on the run's servers, "
+                                 "which needs regeneration.enabled (the regenerate recipe)")
+            e = self.eval_capture
+            if ((e.output_dir or self.output_dir).removeprefix("file://").rstrip("/") == self.output_path.rstrip("/")
+                    and e.extraction_id == self.resolved_extraction_id()):
+                raise ValueError(f"eval_capture.extraction_id: {e.extraction_id!r} is this extraction's own folder; "
+                                 "the benchmark's prompts must not be captured into the training data")
         if self.min_argmax_agreement is not None and not self.regeneration.enabled:
             raise ValueError("min_argmax_agreement: only applies with regeneration.enabled")
         return self

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,6 +142,10 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
         sglang_profiler.maybe_start("client", thread_name=CLIENT_THREAD)
         sglang_profiler.maybe_start("validate", thread_name=VALIDATE_THREAD)
         sglang_profiler.maybe_start("check", thread_name=CHECK_THREADS + "*")
+    evals = params.eval_capture.prompts
+    if evals and not Path(evals.removeprefix("file://")).is_file():  # before any server starts
+        raise FileNotFoundError(f"eval_capture.prompts: {evals} is not a file (`eaglenest bench prompts --format "
+                                "messages` writes the prompt sets)")
     ext = step(open_extraction, params)
     with ext.lock(), quick_gil_handoff():
         stages = Stages(on_stage)
@@ -163,6 +168,28 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
             raise
         return _run(ext, prepared, pending, t0=t0, stages=stages, on_progress=on_progress, pool=pool,
                     transport=transport, step=step)
+
+
+def capture_eval_prompts(ext: Extraction, pool: ServerPool) -> dict:
+    """ExtractParams.eval_capture: the target answers a benchmark's prompts greedily on the run's servers and they
+    are captured into an extraction of their own (:func:`eaglenest.speculative.calibration.capture_answers`,
+    the one recipe of that capture, with the run's model as given: a later calibration of the same prompt file
+    into the same folder resumes it instead of capturing again). Its summary for the run's report; a failure is
+    reported there and the run goes on to its own samples (the eval capture is a side product)."""
+    from eaglenest.speculative.calibration import CaptureSettings, capture_answers
+
+    p, e = ext.params, ext.params.eval_capture
+    settings = CaptureSettings(model=p.model, engine=p.engine, server_urls=pool.urls,
+                               max_new_tokens=e.max_new_tokens, batch_size=p.batch_size,
+                               concurrency=min(p.concurrency, 1024), dtype=p.dtype,
+                               server_capture_dir=p.server_capture_dir, extraction_id=e.extraction_id)
+    try:
+        folder, report = capture_answers(e.prompts, settings, (e.output_dir or p.output_path).removeprefix("file://"))
+    except Exception as err:
+        log.warning("the eval capture of %s failed (the run goes on): %s", e.prompts, err)
+        return {"prompts": e.prompts, "error": f"{type(err).__name__}: {err}"}
+    return {"prompts": e.prompts, "dir": str(folder), "samples": report["samples"], "done": report["done"],
+            "pending": report["pending"], "skipped": report["skipped_total"]}
 
 
 def ask_self_prompts(ext: Extraction, pool: ServerPool) -> dict:
@@ -211,6 +238,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
     started = "launch" in stages
     relaunches = launched = 0
     servers: dict | None = None
+    evals: dict | None = None  # ExtractParams.eval_capture's summary
     done_before = len(prepared.samples) - len(pending)
     if pending:
         base = {"answered": 0, "failed": 0, "tokens": 0, "regenerated": 0, "skipped": 0}
@@ -248,6 +276,9 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             if not started:
                 with stages.timed("launch"):
                     step(start_servers, pool)
+            if params.eval_capture.prompts:
+                with stages.timed("eval_capture"):
+                    evals = step(capture_eval_prompts, ext, pool)
             with stages.timed("connect"):
                 ctx = step(connect, ext, pool, transport=transport)
             with stages.timed("stream"):
@@ -272,14 +303,14 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
             with stages.timed("stop_servers"), contextlib.suppress(Exception):
                 pool.stop()
             _validate_left(ext, ctx, running, phases, stages)
-            _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, pool=pool)
+            _report_ending(ext, prepared, counts, running, phases, stages, e, t0=t0, pool=pool, evals=evals)
             raise
     elif started:  # the servers wrote the prompts, and nothing is left to extract (every sample done before)
         with stages.timed("stop_servers"):
             step(stop_servers, pool)
     stages.update(_phase_seconds(phases))
     return step(write_report, ext, prepared, counts, wall_s=time.perf_counter() - t0, relaunches=relaunches,
-                servers_launched=launched, phases=stages, rates=phases.rates(), servers=servers)
+                servers_launched=launched, phases=stages, rates=phases.rates(), servers=servers, eval_capture=evals)
 
 
 def _servers(pool: ServerPool) -> dict | None:
@@ -295,7 +326,8 @@ def _phase_seconds(phases: Phases) -> dict[str, float]:
 
 
 def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running: Sequence[RoundResult],
-                   phases: Phases, stages: Stages, error: BaseException, *, t0: float, pool: ServerPool) -> None:
+                   phases: Phases, stages: Stages, error: BaseException, *, t0: float, pool: ServerPool,
+                   evals: dict | None = None) -> None:
     """report.json of a run that an exception ends: what it did up to then (the round in progress included) and
     what stays pending. Written directly (not through the step wrapper) and never raising: the caller re-raises
     ``error``."""
@@ -307,7 +339,8 @@ def _report_ending(ext: Extraction, prepared: Prepared, counts: Counts, running:
     with contextlib.suppress(Exception):
         write_report(ext, prepared, counts, wall_s=now - t0, relaunches=pool.relaunches,
                      servers_launched=pool.launched, phases=stages, rates=phases.rates(), status=status,
-                     ended_by=f"{type(error).__name__}: {error}".rstrip(": "), servers=_servers(pool))
+                     ended_by=f"{type(error).__name__}: {error}".rstrip(": "), servers=_servers(pool),
+                     eval_capture=evals)
 
 
 def _validate_left(ext: Extraction, ctx: RunContext | None, running: Sequence[RoundResult], phases: Phases,

@@ -410,14 +410,15 @@ class Counts:
 def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s: float, relaunches: int = 0,
                  servers_launched: int = 0, phases: dict[str, float] | None = None,
                  rates: dict[str, float] | None = None, status: str | None = None,
-                 ended_by: str | None = None, servers: dict | None = None) -> dict:
+                 ended_by: str | None = None, servers: dict | None = None, eval_capture: dict | None = None) -> dict:
     """report.json: totals over the extraction plus what this run did. Returns it.
 
     ``status``: ``complete`` / ``incomplete`` (samples pending) for a run that ended normally (the default,
     from the ledger), ``interrupted`` or ``failed`` for one that an exception ended (``ended_by`` names it).
     ``pending_detail``: of the samples not in the ledger, those with a shard (the next run validates them without
     a request) and those with a persisted regenerated answer (the next run asks only for their capture).
-    ``servers``: when each launched server was ready and which failed to launch late (``run.servers``)."""
+    ``servers``: when each launched server was ready and which failed to launch late (``run.servers``).
+    ``eval_capture``: what this run's eval capture did (``run.eval_capture``; ExtractParams.eval_capture)."""
     entries = ext.ledger.entries()
     ids = {s.sample_id for s in prepared.samples}
     done = [e for sid, e in entries.items() if sid in ids]
@@ -450,6 +451,7 @@ def write_report(ext: Extraction, prepared: Prepared, counts: Counts, *, wall_s:
         "run": {**run, "wall_s": round(wall_s, 3), "tok_per_s": round(counts.tokens / wall_s, 1) if wall_s else 0.0,
                 "relaunches": relaunches, "servers_launched": servers_launched,
                 **({"servers": servers} if servers else {}),
+                **({"eval_capture": eval_capture} if eval_capture else {}),
                 "phases_s": {k: round(v, 3) for k, v in (phases or {}).items()},
                 "rates": {k: round(v, 1) for k, v in (rates or {}).items()},
                 "argmax_agreement": round(hits / positions, 4) if positions else None},

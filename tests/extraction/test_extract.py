@@ -427,3 +427,67 @@ def test_the_target_writes_its_own_prompts_on_the_runs_servers_then_answers_them
     before = len(rids)
     again = run_extraction(params)
     assert again["complete"] and again["run"]["requests"] == 0 and len(rids) == before  # nothing asked again
+
+
+def eval_prompts(tmp_path, n=3):
+    """A benchmark's prompt sets as `bench prompts --format messages` writes them (ids ``<set>:<id>``)."""
+    rows = [{"id": f"mt-bench:{i}", "prompt_set": "mt-bench", "source": "test",
+             "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]} for i in range(n)]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(tmp_path / "eval.jsonl")
+
+
+def test_the_runs_servers_capture_the_benchmarks_prompts_into_an_extraction_of_their_own(
+        tiny_extract_params, capture_servers, tmp_path):
+    """ExtractParams.eval_capture: before its samples the run's servers answer the benchmark's prompts greedily,
+    captured into <output_dir>/calibration (the offline side of the live benchmark), never into the run's
+    own extraction; a resumed run asks for none of them again."""
+    from eaglenest.store.extraction import open_samples
+
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 2), max_turns=None, concurrency=2,
+                   regeneration={"enabled": True, "max_new_tokens": 8},
+                   eval_capture={"prompts": eval_prompts(tmp_path), "max_new_tokens": 6})
+    ext = open_extraction(params)
+    ((url, engine),) = capture_servers(ext.capture_dir)
+    rids = record_rids(engine)
+    params = with_(params, server_urls=[url])
+    report = run_extraction(params)
+    ev = report["run"]["eval_capture"]
+    folder = tmp_path / "out" / "calibration"
+    assert ev["dir"] == str(folder) and ev["samples"] == ev["done"] == 3 and ev["pending"] == 0
+    assert report["complete"] and report["run"]["phases_s"]["eval_capture"] > 0
+    assert sorted(ledger_ids(folder)) == [f"mt-bench:{i}" for i in range(3)]
+    assert not [i for i in ledger_ids(ext.dir) if i.startswith("mt-bench:")]  # never in the training data
+    assert not [p for p in ext.capture_dir.iterdir() if "mt-bench" in p.name]  # its shards moved to its folder
+    assert len(open_samples(str(folder), check_sha256=False)) == 3  # what `bench offline` and the eval sets read
+    before = len(rids)
+    again = run_extraction(params)  # nothing left to extract: no servers asked, the eval capture stands
+    assert again["complete"] and "eval_capture" not in again["run"] and len(rids) == before
+    ledger = folder / "ledger.jsonl"  # one eval sample lost: a run with samples to extract finishes it
+    ledger.write_text("".join(ledger.read_text().splitlines(keepends=True)[:-1]))
+    main = ext.dir / "ledger.jsonl"
+    main.write_text("".join(main.read_text().splitlines(keepends=True)[:-1]))
+    third = run_extraction(params)
+    assert third["complete"] and third["run"]["eval_capture"]["done"] == 3
+    assert len(ledger_ids(folder)) == 3 and len(rids) == before + 2, rids[before:]  # both shards were there:
+    assert all(r.startswith("nocapture:ready-") for r in rids[before:])  # validated; only the two readiness probes
+    # the calibration of the same prompt file into the same folder (`bench offline`, scripts/gpu_calibrate.py)
+    # resumes this capture: nothing is answered again
+    from eaglenest.speculative.calibration import CaptureSettings, capture_answers
+
+    _, rep = capture_answers(params.eval_capture.prompts, CaptureSettings(model=params.model, server_urls=[url],
+                                                                          max_new_tokens=6), tmp_path / "out")
+    assert rep["done"] == 3 and rep["run"]["requests"] == 0
+
+
+def test_an_eval_capture_into_the_runs_own_folder_or_from_no_file_is_refused(tiny_extract_params, tmp_path):
+    regen = {"enabled": True, "max_new_tokens": 8}
+    with pytest.raises(ValueError, match=r"eval_capture.extraction_id: 't' is this extraction's own folder"):
+        with_(tiny_extract_params, regeneration=regen,
+              eval_capture={"prompts": eval_prompts(tmp_path), "extraction_id": "t"})
+    with pytest.raises(ValueError, match=r"eval_capture: .*needs regeneration.enabled"):
+        with_(tiny_extract_params, eval_capture={"prompts": eval_prompts(tmp_path)})
+    missing = with_(tiny_extract_params, regeneration=regen, eval_capture={"prompts": str(tmp_path / "none.jsonl")})
+    with pytest.raises(FileNotFoundError, match=r"eval_capture.prompts: .*none.jsonl is not a file"):
+        run_extraction(missing)
+    assert not (tmp_path / "out" / "t").exists()  # refused before the extraction or a server started
