@@ -210,6 +210,7 @@ data)
   # extraction's own servers before its samples (--eval-prompts: no launch of its own; the separate capture cost
   # 80-150 s), or by a separate capture when there is no extraction (EXTRACT=0) or CAPTURE_CALIB=separate; 0: none.
   # The first NUM_PROMPTS of each set: exactly the prompts the bench step decodes live (same files, same order)
+  touch "$W/data-call.start"  # (what /tmp/calib holds from an earlier call is not this call's capture)
   case "${CAPTURE_CALIB:-1}" in
     0) calib_mode=none ;; separate) calib_mode=separate ;; 1) calib_mode=inline; [ "${EXTRACT:-1}" != 0 ] || calib_mode=separate ;;
     *) echo "CAPTURE_CALIB must be 1, separate or 0, got '$CAPTURE_CALIB'" >&2; exit 2 ;;
@@ -318,11 +319,14 @@ print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log"
     wait "$calib" || echo "calibration capture failed: $(tail -5 "$W/calib.log")" >&2
     tail -3 "$W/calib.log"; cp "$W/calib.log" "$R/"
   fi
-  if [ "$calib_mode" != none ] && [ -f /tmp/calib/calibration/report.json ]; then
+  if [ "$calib_mode" != none ] && [ /tmp/calib/calibration/report.json -nt "$W/data-call.start" ]; then  # this call's
     cp /tmp/calib/calibration/report.json "$R/calibration-capture.json"
     # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token
     # sequences (carried into a fresh extraction folder they are replayed, not generated) to compare features
     (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
+  elif [ "$calib_mode" = inline ]; then  # (no fallback here: a separate capture would not fit the call's limit)
+    echo "no eval capture in this call (extraction.json run.eval_capture: an error, or nothing was left to extract);" \
+      "the offline side needs CAPTURE_CALIB=separate in a data call with time for it" >&2
   fi
   du -sb /tmp/ext/regen /tmp/store-bf16 /tmp/store-fp8 2>/dev/null | tee "$R/sizes.txt" || true  # no fp8 store: not an error
   for v in bf16 fp8; do python3 -m eaglenest store info "/tmp/store-$v" > "$R/store-$v.txt" 2>&1 || true; done
@@ -404,11 +408,12 @@ print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', b
   # 143.6K alone at gpu_sweep's 32K tokens a step (vocab 32000, 2026-12-04)
   # TRAIN_TOK_S by card and kernel when not given, one config alone: the ops 116.9-122.2K tok/s on the H100 (n5, n6),
   # 143.6K on the H200 (n2); the Triton kernels 155.6K on the H100 (n7; sized for the ops, its schedule ended after
-  # 207 s of 312), not yet measured on the H200 (the H100's 1.27x assumed: 140K x 1.25)
+  # 207 s of 312), not yet measured on the H200 (160K assumed, below the H100's 1.27x: a schedule that does not
+  # finish in TRAIN_MINUTES is cut before its learning rate has decayed)
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
   case "$card/$kernel" in
     *H100*/triton) tok_s=${TRAIN_TOK_S:-150000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
-    */triton) tok_s=${TRAIN_TOK_S:-175000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
+    */triton) tok_s=${TRAIN_TOK_S:-160000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
   esac
   epochs=${EPOCHS:-$(python3 -c "
 import math

@@ -23,7 +23,6 @@ trained at 155.6K tok/s against 122.2K with the ops, same config and card.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -64,7 +63,12 @@ def auto_triton(capability: tuple[int, int], has_triton: bool) -> bool:
 
 @functools.cache
 def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports (a broken install takes the ops rather than failing the first training step)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def ops_kl(z: torch.Tensor, p: torch.Tensor, neg_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -389,17 +389,21 @@ class EngineClient:
             if server.down or not self._looks_dead(server, reason):
                 return not server.down  # a probe meanwhile decided
             alive = False
-            async with httpx.AsyncClient(timeout=cfg.connect_timeout_s, transport=self._transport,
-                                         verify=self._tls, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            probe = httpx.AsyncClient(timeout=cfg.connect_timeout_s, transport=self._transport, verify=self._tls,
+                                      limits=httpx.Limits(max_keepalive_connections=0))
+            try:
                 for attempt in range(cfg.probe_attempts):
                     if attempt:
                         await self._sleep(cfg.probe_interval_s)
                     try:
-                        alive = (await c.get(f"{server.url}/health")).status_code == 200
+                        alive = (await probe.get(f"{server.url}/health")).status_code == 200
                     except httpx.HTTPError:
                         alive = False
                     if alive:
                         break
+            finally:
+                if self._transport is None:  # (an injected transport is the workers' too: it stays open)
+                    await probe.aclose()
             if alive:
                 server.failures = 0
                 self.stats.streaks_survived += 1

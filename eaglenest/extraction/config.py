@@ -222,6 +222,9 @@ class ExtractParams(BaseModel):
             if not self.regeneration.enabled:
                 raise ValueError("eval_capture: the target answers the benchmark's prompts on the run's servers, "
                                  "which needs regeneration.enabled (the regenerate recipe)")
+            if self.aux_layer_ids is not None:
+                raise ValueError("eval_capture: the eval capture expects the model's default aux layers; leave "
+                                 "aux_layer_ids unset or capture the benchmark's prompts with `bench offline`")
             e = self.eval_capture
             if ((e.output_dir or self.output_dir).removeprefix("file://").rstrip("/") == self.output_path.rstrip("/")
                     and e.extraction_id == self.resolved_extraction_id()):

@@ -480,6 +480,18 @@ def test_the_runs_servers_capture_the_benchmarks_prompts_into_an_extraction_of_t
     assert rep["done"] == 3 and rep["run"]["requests"] == 0
 
 
+def test_a_failing_eval_capture_is_reported_and_the_run_goes_on(tiny_extract_params, capture_servers, tmp_path):
+    (tmp_path / "a-file").write_text("")  # its folder cannot be made: the eval capture fails
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 2), max_turns=None, concurrency=2,
+                   regeneration={"enabled": True, "max_new_tokens": 8},
+                   eval_capture={"prompts": eval_prompts(tmp_path), "output_dir": str(tmp_path / "a-file")})
+    ext = open_extraction(params)
+    ((url, _),) = capture_servers(ext.capture_dir)
+    report = run_extraction(with_(params, server_urls=[url]))
+    assert report["complete"] and report["done"] == 3  # p0, p1 and c: the run's own samples
+    assert report["run"]["eval_capture"]["error"].startswith(("FileExistsError", "NotADirectoryError"))
+
+
 def test_an_eval_capture_into_the_runs_own_folder_or_from_no_file_is_refused(tiny_extract_params, tmp_path):
     regen = {"enabled": True, "max_new_tokens": 8}
     with pytest.raises(ValueError, match=r"eval_capture.extraction_id: 't' is this extraction's own folder"):
@@ -487,6 +499,9 @@ def test_an_eval_capture_into_the_runs_own_folder_or_from_no_file_is_refused(tin
               eval_capture={"prompts": eval_prompts(tmp_path), "extraction_id": "t"})
     with pytest.raises(ValueError, match=r"eval_capture: .*needs regeneration.enabled"):
         with_(tiny_extract_params, eval_capture={"prompts": eval_prompts(tmp_path)})
+    with pytest.raises(ValueError, match=r"eval_capture: the eval capture expects the model's default aux layers"):
+        with_(tiny_extract_params, regeneration=regen, aux_layer_ids=[0, 1],
+              eval_capture={"prompts": eval_prompts(tmp_path)})
     missing = with_(tiny_extract_params, regeneration=regen, eval_capture={"prompts": str(tmp_path / "none.jsonl")})
     with pytest.raises(FileNotFoundError, match=r"eval_capture.prompts: .*none.jsonl is not a file"):
         run_extraction(missing)
