@@ -170,6 +170,11 @@ def run_extraction(params, *, on_progress: Callable[[Progress], None] | None = N
                     transport=transport, step=step)
 
 
+EVAL_REQUEST_TIMEOUT_S = 120.0
+"""The eval capture's per-request timeout: its few greedy answers go to servers idle but for it (the run's samples
+wait), so a request that takes longer means a hung server, and the run's budget is not spent waiting on it."""
+
+
 def capture_eval_prompts(ext: Extraction, pool: ServerPool) -> dict:
     """ExtractParams.eval_capture: the target answers a benchmark's prompts greedily on the run's servers and they
     are captured into an extraction of their own (:func:`eaglenest.speculative.calibration.capture_answers`,
@@ -182,7 +187,8 @@ def capture_eval_prompts(ext: Extraction, pool: ServerPool) -> dict:
     settings = CaptureSettings(model=p.model, engine=p.engine, server_urls=pool.urls,
                                max_new_tokens=e.max_new_tokens, batch_size=p.batch_size,
                                concurrency=min(p.concurrency, 1024), dtype=p.dtype,
-                               server_capture_dir=p.server_capture_dir, extraction_id=e.extraction_id)
+                               server_capture_dir=p.server_capture_dir, extraction_id=e.extraction_id,
+                               request_timeout_s=min(p.request_timeout_s, EVAL_REQUEST_TIMEOUT_S))
     try:
         folder, report = capture_answers(e.prompts, settings, (e.output_dir or p.output_path).removeprefix("file://"))
     except Exception as err:
@@ -277,6 +283,7 @@ def _run(ext: Extraction, prepared: Prepared, pending: list[Sample], *, t0: floa
                 with stages.timed("launch"):
                     step(start_servers, pool)
             if params.eval_capture.prompts:
+                evals = {"prompts": params.eval_capture.prompts, "ended": "before it finished"}  # (an interruption)
                 with stages.timed("eval_capture"):
                     evals = step(capture_eval_prompts, ext, pool)
             with stages.timed("connect"):

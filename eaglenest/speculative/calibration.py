@@ -59,6 +59,7 @@ class CaptureSettings(BaseModel):
     server_capture_dir: str | None = Field(None, description="where given server_urls write shards, if they do not say")
     sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments")
     extraction_id: str = Field("calibration", description="folder name under the output folder")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="per-request timeout (a hung server)")
 
 
 def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
@@ -101,7 +102,7 @@ def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: s
             enabled=True, temperature=0.0, cut_answers="keep",
             max_new_tokens=max(settings.answer_max_new_tokens or 0, settings.max_new_tokens)),
         extraction_id=settings.extraction_id, output_dir=str(output_dir), sglang_args=list(settings.sglang_args),
-        server_capture_dir=settings.server_capture_dir,
+        server_capture_dir=settings.server_capture_dir, request_timeout_s=settings.request_timeout_s,
     )
     report = run_extraction(params, on_progress=on_progress)
     return Path(params.output_path).expanduser().resolve() / settings.extraction_id, report

@@ -492,6 +492,25 @@ def test_a_failing_eval_capture_is_reported_and_the_run_goes_on(tiny_extract_par
     assert report["run"]["eval_capture"]["error"].startswith(("FileExistsError", "NotADirectoryError"))
 
 
+def test_an_interrupted_eval_capture_is_in_the_runs_report(tiny_extract_params, capture_servers, tmp_path,
+                                                             monkeypatch):
+    import eaglenest.extraction.run as run_module
+
+    def interrupted(ext, pool):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "capture_eval_prompts", interrupted)
+    params = with_(tiny_extract_params, source=regen_source(tmp_path, 2), max_turns=None,
+                   regeneration={"enabled": True, "max_new_tokens": 8},
+                   eval_capture={"prompts": eval_prompts(tmp_path)})
+    ext = open_extraction(params)
+    ((url, _),) = capture_servers(ext.capture_dir)
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction(with_(params, server_urls=[url]))
+    report = json.loads((ext.dir / "report.json").read_text())
+    assert report["status"] == "interrupted" and report["run"]["eval_capture"]["ended"] == "before it finished"
+
+
 def test_an_eval_capture_into_the_runs_own_folder_or_from_no_file_is_refused(tiny_extract_params, tmp_path):
     regen = {"enabled": True, "max_new_tokens": 8}
     with pytest.raises(ValueError, match=r"eval_capture.extraction_id: 't' is this extraction's own folder"):
