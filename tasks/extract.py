@@ -62,6 +62,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "stream": {"name": "regenerate-capture-validate"},
     "stop_servers": {"name": "stop-servers"},
     "write_report": {"name": "extraction-report"},
+    "capture_eval_prompts": {"name": "eval-capture"},
 }
 _tasks: dict[Callable[..., Any], Any] = {}
 _tasks_lock = threading.Lock()

@@ -48,16 +48,15 @@ from eaglenest.engines.server_pool import ServerPool
 from eaglenest.extraction.aio import CLIENT_THREAD
 from eaglenest.extraction.checking import CHECK_THREADS
 from eaglenest.extraction.connect import RunContext, after_revive, connect, make_pool
+from eaglenest.extraction.report import Counts, write_report
 from eaglenest.extraction.self_prompts import ask_for_extraction
 from eaglenest.extraction.state import (
     SELF_PROMPTS,
-    Counts,
     Extraction,
     Prepared,
     open_extraction,
     plan,
     prepare,
-    write_report,
 )
 from eaglenest.extraction.stream import Phases, RoundResult, stream
 from eaglenest.extraction.validator import VALIDATE_THREAD, problem, validate_left, validate_step

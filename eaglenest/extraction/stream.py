@@ -32,10 +32,10 @@ from eaglenest.extraction.client import Answer, EngineClient, Failure, Job
 from eaglenest.extraction.connect import RunContext, end_round, round_client
 from eaglenest.extraction.prefill import CAPTURE_LANE, capture_request, check_capture_answer
 from eaglenest.extraction.regenerate import AnswerError, Regenerator, TurnAnswer
+from eaglenest.extraction.report import Counts
 from eaglenest.extraction.state import (
     ANSWERS,
     REGENERATED,
-    Counts,
     Extraction,
     JsonlLog,
     load_answers,

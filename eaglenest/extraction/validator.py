@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from eaglenest import contract
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.checking import check_pool
-from eaglenest.extraction.state import Counts, Extraction
+from eaglenest.extraction.report import Counts
+from eaglenest.extraction.state import Extraction
 from eaglenest.extraction.validate import validate_batch
 
 if TYPE_CHECKING:

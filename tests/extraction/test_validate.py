@@ -330,7 +330,7 @@ def test_a_dead_check_process_sends_its_chunk_and_the_rest_of_the_round_to_threa
     from types import SimpleNamespace
 
     from eaglenest.extraction import stream, validator
-    from eaglenest.extraction.state import Counts
+    from eaglenest.extraction.report import Counts
 
     pools = []
 
@@ -430,7 +430,7 @@ def test_a_chunk_checked_again_in_threads_stops_between_pieces_when_the_round_en
     from types import SimpleNamespace
 
     from eaglenest.extraction import stream, validator
-    from eaglenest.extraction.state import Counts
+    from eaglenest.extraction.report import Counts
 
     pieces = []
 
