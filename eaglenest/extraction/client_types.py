@@ -36,10 +36,10 @@ class ClientConfig:
     """Idle connections are dropped after this, below the server's keep-alive timeout (SGLang's uvicorn: 5 s),
     so a request is not sent on a connection the server is closing (it fails without an answer)."""
     pool_size: int = 4
-    """Workers per httpx connection pool (each pool holds one connection per worker, plus one for probes).
-    httpcore's pool does O(connections) work, with syscalls, on every request event, so many small pools
-    cost far less than one big one: at 1,024 in flight on 2 CPU cores, 4 per pool answered 850-1,130 requests/s,
-    one pool for all of them 23 (``scripts/bench_client.py``)."""
+    """Workers per httpx connection pool (each pool holds one connection per worker, plus one spare: ``/health``
+    probes open their own). httpcore's pool does O(connections) work, with syscalls, on every request event, so
+    many small pools cost far less than one big one: at 1,024 in flight on 2 CPU cores, 4 per pool answered
+    850-1,130 requests/s, one pool for all of them 23 (``scripts/bench_client.py``)."""
 
     def __post_init__(self) -> None:
         if (self.concurrency < 1 or self.max_attempts < 1 or self.down_after < 1 or self.pool_size < 1

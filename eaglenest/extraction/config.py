@@ -226,7 +226,7 @@ class ExtractParams(BaseModel):
                 raise ValueError("eval_capture: the eval capture expects the model's default aux layers; leave "
                                  "aux_layer_ids unset or capture the benchmark's prompts with `bench offline`")
             e = self.eval_capture
-            if ((e.output_dir or self.output_dir).removeprefix("file://").rstrip("/") == self.output_path.rstrip("/")
+            if (self.eval_output_path.rstrip("/") == self.output_path.rstrip("/")
                     and e.extraction_id == self.resolved_extraction_id()):
                 raise ValueError(f"eval_capture.extraction_id: {e.extraction_id!r} is this extraction's own folder; "
                                  "the benchmark's prompts must not be captured into the training data")
@@ -244,6 +244,11 @@ class ExtractParams(BaseModel):
     @property
     def output_path(self) -> str:
         return self.output_dir.removeprefix("file://")
+
+    @property
+    def eval_output_path(self) -> str:
+        """The folder of the eval capture's extraction: eval_capture.output_dir, else the run's own output_dir."""
+        return (self.eval_capture.output_dir or self.output_dir).removeprefix("file://")
 
     def identity(self) -> dict:
         """The content-defining parameters (a resume must not change these).

@@ -189,7 +189,7 @@ def capture_eval_prompts(ext: Extraction, pool: ServerPool) -> dict:
                                server_capture_dir=p.server_capture_dir, extraction_id=e.extraction_id,
                                request_timeout_s=min(p.request_timeout_s, EVAL_REQUEST_TIMEOUT_S))
     try:
-        folder, report = capture_answers(e.prompts, settings, (e.output_dir or p.output_path).removeprefix("file://"))
+        folder, report = capture_answers(e.prompts, settings, p.eval_output_path)
     except Exception as err:
         log.warning("the eval capture of %s failed (the run goes on): %s", e.prompts, err)
         return {"prompts": e.prompts, "error": f"{type(err).__name__}: {err}"}

@@ -221,7 +221,7 @@ def prepare(ext: Extraction, *, encoder: ChatEncoder | None = None) -> Prepared:
         raise ExtractionError(_nothing_usable(p.source, len(records), skipped, source.bad))
     write_samples(samples_path, samples)
     write_json(manifest, {"key": key, "samples": len(samples), "skipped": [asdict(s) for s in skipped],
-                           "bad": [asdict(b) for b in source.bad], "source_exhausted": source.exhausted})
+                          "bad": [asdict(b) for b in source.bad], "source_exhausted": source.exhausted})
     return Prepared(samples, skipped, source.bad, key)
 
 

@@ -234,7 +234,7 @@ def test_two_servers_share_the_work_and_in_flight_is_bounded():
 
 def test_workers_share_small_connection_pools(monkeypatch):
     """httpcore's pool scans all its connections on every request event (one pool of 1,280 kept the request
-    loop 64% busy on the H200): workers are split into pools of at most ``pool_size`` (+1 for a probe), one
+    loop 64% busy on the H200): workers are split into pools of at most ``pool_size`` (+1 spare), one
     TLS context for all, and every job still ends once."""
     import eaglenest.extraction.client as client_mod
 
