@@ -55,19 +55,21 @@
 # carried answers (SOURCE and LIMIT as when they were written: capture only, ~120 shards/s from two servers), train
 # (lr 1e-3, the schedule finishing in TRAIN_MINUTES), bench. On 2026-12-04b the validation, in threads then, kept up
 # with 79 shards/s and the budget ended with 10,604 of 18,361 captured shards validated (now in processes on the GPU host).
-# Continuing n7 (results/2026-12-05d-h100: setup x3 with the H100's start 130 s, data 517 s, train 325 s, bench 305 s,
-# tree bench 145 s, steps-2 bench 120 s): setup x3 (.device/site.tar.xz .device/bin .gpu-logs/triton-cache.tar.xz;
-# .device/bin .device/gguf1; .device/bin and .gpu-drafters/parts-n7/drafter-n7.tar.partaa, ab, ac), data with a new
-# SELF_SEED (9; EXTRACT_S=440 STOP_VALIDATE_S=60 in a 590-s call: on 2026-12-05d the model, the stop and the answers'
-# pack took 110 s beside EXTRACT_S=400; the Triton cache matters: the first server's decode CUDA graphs took 78.6 s
-# to capture on a cold cache, the second's 6.5 s once the first had filled it), train with .device/bin and parts ad, ae
-# (INIT_FROM=parts:n7, lr 1e-3 in the grid; the KL kernels are checked and used by default, so no KL_AB: the ~80 s
-# go to TRAIN_MINUTES=6.5), bench, then the tree. Seed 8's answers came back (.gpu-logs/regen-logs-train-1tc-t1-
-# l40000-self8x14000.tar.xz.partaa, 11 MB) but replaying them beside new prompts needs their prompts in SOURCE, not
-# tried: the new seed alone gave n7 its +0.11-0.25. The eval prompts are now captured by the extraction's own
-# servers (CAPTURE_CALIB=1, the default; first run on a GPU: the report's run.eval_capture and phases_s.eval_capture
-# tell what it cost; a failure there is reported and the extraction goes on), so the train step's eval curves and
-# the bench's offline side are back without the separate capture's 80-150 s.
+# Continuing n8 (results/2026-12-05e-h200, 1,624 s: an H200 at once, setup x3 100 s, data 544 s, train 321 s, bench
+# 259 s, trees 123 + 124 + 112 s): setup x3 (.device/site.tar.xz .device/bin .gpu-logs/triton-cache.tar.xz; .device/bin
+# .device/gguf1; .device/bin and .gpu-drafters/parts-n8/drafter-n8.tar.partaa, ab, ac), data with a new SELF_SEED (10;
+# EXTRACT_S=440 STOP_VALIDATE_S=60 in a 590-s call: on the H200 the launch took 116 s with the restored Triton cache,
+# the 14K prompts 47 s, the inline eval capture 9.6 s, then 280 s of streaming captured 18.1K samples, 8.5M tokens,
+# 39 GB of the 64-GB disk, which holds about 13M), train with .device/bin and parts ad, ae (INIT_FROM=parts:n8, lr 1e-3
+# in the grid, TRAIN_MINUTES=6.5; the kernels are checked and used by default), bench, then the 6x4x16 tree. n7 -> n8
+# on 18.1K new samples gained +0.14-0.18 at c=1 on every set (MT-Bench 2.45, HumanEval 2.90, ShareGPT 2.84); the
+# inline eval capture's offline side came within 0.07 of live on each set. Seed 8's and 9's answers came back
+# (.gpu-logs/regen-logs-...-self8x14000, -self9x14000); replaying them needs their prompts in SOURCE (not tried).
+# More data is the lever still open: the run ended with 7,144 of 25,241 samples pending and 25 GB of disk free, and
+# the window 176 s unused. Next: SELF_COUNT=18000 (a new seed), the data call as above, then `data` again at once
+# (same knobs, EXTRACT_S=250 in a 340-s call: it resumes, the prompts and the eval capture are not asked again, the
+# relaunch ~90 s with a warm Triton cache) for ~12M tokens in all (the disk guard stops it at 4 GB free), then train
+# (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -408,12 +410,12 @@ print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', b
   # 143.6K alone at gpu_sweep's 32K tokens a step (vocab 32000, 2026-12-04)
   # TRAIN_TOK_S by card and kernel when not given, one config alone: the ops 116.9-122.2K tok/s on the H100 (n5, n6),
   # 143.6K on the H200 (n2); the Triton kernels 155.6K on the H100 (n7; sized for the ops, its schedule ended after
-  # 207 s of 312), not yet measured on the H200 (160K assumed, below the H100's 1.27x: a schedule that does not
-  # finish in TRAIN_MINUTES is cut before its learning rate has decayed)
+  # 207 s of 312) and 189.2K on the H200 (n8; sized for 160K, it ended after 292 s of 390): a little under what was
+  # measured, since a schedule that does not finish in TRAIN_MINUTES is cut before its learning rate has decayed
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
   case "$card/$kernel" in
     *H100*/triton) tok_s=${TRAIN_TOK_S:-150000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
-    */triton) tok_s=${TRAIN_TOK_S:-160000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
+    */triton) tok_s=${TRAIN_TOK_S:-180000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
   esac
   epochs=${EPOCHS:-$(python3 -c "
 import math
@@ -481,7 +483,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
     # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
     [ "${ROUNDS:-1}" = 1 ] || base=(--rounds "$ROUNDS")
-    mkdir -p "$R/grid-$name" "$R/calib-$name"
+    mkdir -p "$R/grid-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
       --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" \
@@ -491,6 +493,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
     if [ "${CALIB:-0}" = 1 ]; then
+      mkdir -p "$R/calib-$name"
       run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "$draft" \
         --prompts /tmp/gpu/calib-first.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
         || echo "calibration $name exited $?" >&2
