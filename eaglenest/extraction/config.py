@@ -207,9 +207,10 @@ class ExtractParams(BaseModel):
         for u in self.server_urls:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"server_urls: {u!r} is not an http(s) URL")
-        if "://" in self.output_dir and not self.output_dir.startswith("file://"):
-            raise ValueError("output_dir: capture servers write shards to a local filesystem; give a local path "
-                             "(the store step copies to object storage)")
+        for name, folder in (("output_dir", self.output_dir), ("eval_capture.output_dir", self.eval_capture.output_dir)):
+            if folder and "://" in folder and not folder.startswith("file://"):
+                raise ValueError(f"{name}: {folder!r} is not local; capture servers write shards to a local "
+                                 "filesystem (the store step copies to object storage)")
         if self.aux_layer_ids is not None and list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
             raise ValueError("aux_layer_ids: must be distinct and increasing")
         if self.partition_index >= self.partition_count:

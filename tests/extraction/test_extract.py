@@ -521,6 +521,9 @@ def test_an_eval_capture_into_the_runs_own_folder_or_from_no_file_is_refused(tin
     with pytest.raises(ValueError, match=r"eval_capture: the eval capture expects the model's default aux layers"):
         with_(tiny_extract_params, regeneration=regen, aux_layer_ids=[0, 1],
               eval_capture={"prompts": eval_prompts(tmp_path)})
+    with pytest.raises(ValueError, match=r"eval_capture.output_dir: 's3://bucket/evals' is not local"):
+        with_(tiny_extract_params, regeneration=regen,
+              eval_capture={"prompts": eval_prompts(tmp_path), "output_dir": "s3://bucket/evals"})
     missing = with_(tiny_extract_params, regeneration=regen, eval_capture={"prompts": str(tmp_path / "none.jsonl")})
     with pytest.raises(FileNotFoundError, match=r"eval_capture.prompts: .*none.jsonl is not a file"):
         run_extraction(missing)
