@@ -207,7 +207,8 @@ class ExtractParams(BaseModel):
         for u in self.server_urls:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"server_urls: {u!r} is not an http(s) URL")
-        for name, folder in (("output_dir", self.output_dir), ("eval_capture.output_dir", self.eval_capture.output_dir)):
+        folders = (("output_dir", self.output_dir), ("eval_capture.output_dir", self.eval_capture.output_dir))
+        for name, folder in folders:
             if folder and "://" in folder and not folder.startswith("file://"):
                 raise ValueError(f"{name}: {folder!r} is not local; capture servers write shards to a local "
                                  "filesystem (the store step copies to object storage)")
