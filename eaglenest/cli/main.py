@@ -20,6 +20,7 @@ from eaglenest.cli.extract import app as extract_app
 from eaglenest.cli.options import parse_ids
 from eaglenest.cli.store import app as store_app
 from eaglenest.cli.train import app as train_app
+from eaglenest.extraction.starters import STARTER_SETS_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 drafters from engine-native hidden states.")
 model_app = typer.Typer(no_args_is_help=True, help="Target models.")
@@ -182,8 +183,7 @@ def prompts_self(
     starter: Annotated[list[str] | None, typer.Option(
         help="an opening of the user's text that the target continues (repeatable; prompts take them in turn)")] = None,
     starter_set: Annotated[list[str] | None, typer.Option(
-        help="a built-in set of openings, added to --starter (repeatable): 'kinds' (writing, roleplay, reasoning, "
-             "math, coding, extraction, STEM, humanities), 'code' (functions to complete, scripts, queries)")] = None,
+        help=f"a built-in set of openings, added to --starter (repeatable): {STARTER_SETS_HELP}")] = None,
 ) -> None:
     """Let the target write user prompts itself (its template up to a user turn, sampled): training data that
     needs no dataset. The regeneration recipe then lets it answer them. Given --server-url, those servers must

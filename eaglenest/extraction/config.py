@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eaglenest.data.recipe import DEFAULT_RECIPE, RECIPES, RecipeName, apply_recipe
 from eaglenest.engines.sglang_flags import DEFAULT_SHARED_MEM_FRACTION
+from eaglenest.extraction.starters import STARTER_SETS_HELP
 from eaglenest.forms import show_bounds
 
 _DEFAULT = RECIPES[DEFAULT_RECIPE]
@@ -65,8 +66,7 @@ class SelfPromptParams(BaseModel):
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(256, ge=1, le=4096, description="A longer prompt is cut and left out.")
     starter_sets: list[str] = Field(default_factory=list, description=(
-        "Built-in sets of openings the target continues, taken in turn ('kinds': writing, roleplay, reasoning, "
-        "math, coding, extraction, STEM, humanities; 'code': functions to complete, scripts, queries)."))
+        f"Built-in sets of openings the target continues, taken in turn: {STARTER_SETS_HELP}."))
     exclude_prompt_sets: list[str] = Field(default_factory=list, description=(
         "Leave out prompts equal to a user turn of these evaluation sets (mt-bench, humaneval, sharegpt)."))
     exclude_file: str | None = Field(None, description=(

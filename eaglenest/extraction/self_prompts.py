@@ -10,8 +10,8 @@ or two sentences.
 Left to itself the target writes mostly advice and explanations; chat benchmarks also ask for math, code,
 roleplay, writing and extraction. ``starters`` steer it: prompt i begins with opening ``i mod n`` (e.g. "Solve
 for x:") and the target writes the rest of the request, so the prompts spread over the kinds the openings name
-while their text is still the target's. :data:`STARTER_SETS` has a built-in spread (``kinds``) over the eight
-kinds MT-Bench groups its questions in; no opening is taken from an evaluation set, and a finished prompt that
+while their text is still the target's. :data:`~eaglenest.extraction.starters.STARTER_SETS` has a built-in spread
+(``kinds``) over the eight kinds MT-Bench groups its questions in; no opening is taken from an evaluation set, and a finished prompt that
 equals an evaluation prompt is left out as before.
 
 :func:`self_prompts` asks running capture servers (``POST /generate`` with ``nocapture:`` rids: nothing is
@@ -38,53 +38,10 @@ from eaglenest.data.chat import ChatEncoder, SampleError
 from eaglenest.data.sources import Message, write_jsonl
 from eaglenest.extraction.aio import run_sync
 from eaglenest.extraction.client import Answer, ClientConfig, EngineClient, Job
+from eaglenest.extraction.starters import STARTER_SETS
 
 _MARK = "\u2063eaglenest-user-turn\u2063"
 """Stands in for the user's text while the template is rendered; no template holds it."""
-
-
-STARTER_SETS: dict[str, tuple[str, ...]] = {
-    "kinds": (
-        # writing
-        "Write a short story about", "Compose a poem about", "Draft an email to", "Write a blog post about",
-        "Write a persuasive essay on", "Write a product description for",
-        # roleplay
-        "Pretend you are", "Imagine you are a", "Act as a", "You are a detective who", "Role-play as",
-        "Let's play a game where you are",
-        # reasoning
-        "If a", "A farmer has", "Which of these", "Solve this riddle:", "Explain the logic behind", "Is it true that",
-        # math
-        "Solve for x:", "What is the sum of", "Calculate the", "A train leaves", "Find the derivative of",
-        "Prove that",
-        # coding
-        "Write a Python function that", "Write a JavaScript function to", "Fix the bug in this code:",
-        "Implement a", "Write a SQL query that", "Explain what this code does:",
-        # extraction
-        "Extract the", "Summarize the following", "From the text below,", "List all the", "Given this table,",
-        "Classify the following",
-        # STEM
-        "Explain how", "What is the difference between", "Describe the process of", "How does a", "What causes",
-        "In physics,",
-        # humanities and social science
-        "Discuss the impact of", "Compare the", "What were the main causes of", "Analyze the themes of", "Who was",
-        "How did the",
-    ),
-    "code": (
-        # a function for the target to complete: it writes the signature and docstring, then answers with the body
-        "Complete this Python function:\n\n```python\ndef",
-        "Finish the implementation below so that it does what its docstring says.\n\n```python\ndef",
-        "Write the body of this function. Reply with the code only.\n\n```python\ndef",
-        "Implement the function below.\n\n```python\nfrom typing import List\n\n\ndef",
-        "Fill in the missing code:\n\n```python\nclass",
-        "Fix the bug in this Python function:\n\n```python\ndef",
-        "Write a Python script that", "Write a Python class that", "Write pytest unit tests for a function that",
-        "Write a JavaScript function that", "Write a regular expression that", "Write a Bash script that",
-    ),
-}
-"""Named sets of openings (``--starter-set``, repeatable: the sets' openings are taken in turn together): ``kinds``
-spreads prompts over writing, roleplay, reasoning, math, coding, extraction, STEM and humanities, six openings
-each; ``code`` asks for code, half of it a Python function to complete from a header the target writes (the shape
-of a HumanEval request, none of its text), for drafters that lag on code."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

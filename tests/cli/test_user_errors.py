@@ -24,7 +24,7 @@ CASES = {
                               "temperature must be > 0"),
     "unknown starter set": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}", "--starter-set",
                              "kinds", "--starter-set", "poems"],
-                            "--starter-set 'poems': not a built-in set (have: kinds, code)"),
+                            "--starter-set 'poems': not a built-in set (have: kinds, code, creative)"),
     "opening with a trailing space": (["prompts", "self", "--out", "{tmp}/p.jsonl", "--model", "{model}",
                                        "--starter", "Solve "], "starters must not begin or end with whitespace"),
     "self prompts without answers": (["extract", "--model", "{model}", "--recipe", "capture", "--self-prompts", "5"],
