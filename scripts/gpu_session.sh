@@ -66,7 +66,9 @@
 # inline eval capture's offline side came within 0.07 of live on each set. Seed 8's and 9's answers came back
 # (.gpu-logs/regen-logs-...-self8x14000, -self9x14000); replaying them needs their prompts in SOURCE (not tried).
 # More data is the lever still open: the run ended with 7,144 of 25,241 samples pending and 25 GB of disk free, and
-# the window 176 s unused. Next: SELF_COUNT=18000 (a new seed), the data call as above, then `data` again at once
+# the window 176 s unused. Next: SELF_COUNT=18000 (a new seed; STARTER_SET="kinds code creative": MT-Bench's writing
+# and roleplay prompts, 61% of its cycles, accept least, results/2026-12-05e-cpu), the data call as above, then `data`
+# again at once
 # (same knobs, EXTRACT_S=250 in a 340-s call: it resumes, the prompts and the eval capture are not asked again, the
 # relaunch ~90 s with a warm Triton cache) for ~12M tokens in all (the disk guard stops it at 4 GB free), then train
 # (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left.
