@@ -11,8 +11,8 @@ Left to itself the target writes mostly advice and explanations; chat benchmarks
 roleplay, writing and extraction. ``starters`` steer it: prompt i begins with opening ``i mod n`` (e.g. "Solve
 for x:") and the target writes the rest of the request, so the prompts spread over the kinds the openings name
 while their text is still the target's. :data:`~eaglenest.extraction.starters.STARTER_SETS` has a built-in spread
-(``kinds``) over the eight kinds MT-Bench groups its questions in; no opening is taken from an evaluation set, and a finished prompt that
-equals an evaluation prompt is left out as before.
+(``kinds``) over the eight kinds MT-Bench groups its questions in; no opening is taken from an evaluation set,
+and a finished prompt that equals an evaluation prompt is left out as before.
 
 :func:`self_prompts` asks running capture servers (``POST /generate`` with ``nocapture:`` rids: nothing is
 captured) for ``count`` user turns and keeps those that ended on their own (an end-of-turn, not
