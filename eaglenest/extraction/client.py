@@ -50,10 +50,12 @@ __all__ = ["Answer", "Check", "ClientConfig", "ClientStats", "EngineClient", "Fa
 
 class _Attempt(Exception):
     def __init__(self, kind: Kind, reason: str, message: str, status: int | None = None,
-                 retry_after: float | None = None, server_down: bool = False) -> None:
+                 retry_after: float | None = None, server_down: bool = False, error: str | None = None) -> None:
         super().__init__(message)
         self.kind, self.reason, self.message, self.status = kind, reason, message, status
         self.retry_after, self.server_down = retry_after, server_down
+        self.label = f"{reason} {error or (f'HTTP {status}' if status is not None else '')}".strip()
+        """What went wrong, short enough to count by: 'connection ReadError', 'server_error HTTP 503'."""
 
 
 @dataclass(slots=True)
@@ -263,6 +265,7 @@ class EngineClient:
                     self._take_down(server, job.errors)
                 if e.kind == "retryable" and job.attempts < self.config.max_attempts:
                     self.stats.retries += 1
+                    self.stats.retry_errors[e.label] = self.stats.retry_errors.get(e.label, 0) + 1
                     delay = e.retry_after if e.retry_after is not None else self._backoff(job.attempts)
                     task = asyncio.create_task(self._later(job, delay))
                     self._backoffs.add(task)
@@ -326,10 +329,11 @@ class EngineClient:
             r = await client.post(f"{server.url}/generate", json=job.body)
         except httpx.TimeoutException as e:
             server.timeouts += 1
-            raise _Attempt("retryable", "timeout", f"timed out ({type(e).__name__})") from None
+            raise _Attempt("retryable", "timeout", f"timed out ({type(e).__name__})", error=type(e).__name__) from None
         except httpx.TransportError as e:
             server.failures += 1
-            raise _Attempt("retryable", "connection", f"connection failed ({type(e).__name__}: {e})") from None
+            raise _Attempt("retryable", "connection", f"connection failed ({type(e).__name__}: {e})",
+                           error=type(e).__name__) from None
         if r.status_code != 200:
             raise _classify_status(r)
         try:

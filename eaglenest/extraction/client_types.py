@@ -97,6 +97,8 @@ class Failure:
 class ClientStats:
     requests: int = 0
     retries: int = 0
+    retry_errors: dict[str, int] = field(default_factory=dict)
+    """Retried attempts by what went wrong (``'connection ReadError': 812``, ``'server_error HTTP 503': 3``)."""
     answered: int = 0
     failed: int = 0
     per_server: dict[str, int] = field(default_factory=dict)

@@ -20,6 +20,8 @@ class Counts:
     requeued: int = 0
     requests: int = 0
     retries: int = 0
+    retry_errors: dict[str, int] = field(default_factory=dict)
+    """Retried requests by what went wrong (the engine client's ``retry_errors``)."""
     reused_shards: int = 0
     """Shards already present for pending samples (validated without a request)."""
     validated_after_stop: int = 0
@@ -51,6 +53,10 @@ class Counts:
         for k, v in asdict(other).items():
             if isinstance(v, list):
                 getattr(self, k).extend(v)
+            elif isinstance(v, dict):
+                mine = getattr(self, k)
+                for key, n in v.items():
+                    mine[key] = mine.get(key, 0) + n
             else:
                 setattr(self, k, getattr(self, k) + v)
         return self

@@ -261,6 +261,7 @@ def _settle(res: RoundResult, validator: Validator, regenerator: Regenerator | N
     c.failed = len(res.failures)
     if client is not None:
         c.requests, c.retries = client.stats.requests, client.stats.retries
+        c.retry_errors = dict(client.stats.retry_errors)
         c.streaks_survived, c.servers_taken_out = client.stats.streaks_survived, list(client.stats.down_reasons)
     if regenerator is not None:
         c.generated_tokens = regenerator.stats.generated_tokens

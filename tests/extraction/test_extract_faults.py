@@ -108,6 +108,7 @@ def test_transient_503_every_kth_request_is_retried(tiny_extract_params, capture
     assert_complete_and_exact(report, ext.dir)
     run = report["run"]
     assert run["retries"] > 0 and run["requests"] == report["samples"] + run["retries"]
+    assert run["retry_errors"] == {"server_error HTTP 503": run["retries"]}
     assert engine.stats["requests"] == report["samples"] + 1  # 503s never reached the engine; +1 probe
 
 

@@ -78,6 +78,9 @@ def test_transient_503_and_resets_are_retried_until_answered():
     assert len(res.answers) == 12 and not res.failures  # nothing lost
     assert res.stats.retries == sum(v - 1 for v in rec.per_rid.values()) > 0
     assert max(rec.per_rid.values()) == 2  # each retried once, then answered
+    # counted by what went wrong, for the report (on the GPU: which errors the bursts of retries were)
+    assert set(res.stats.retry_errors) == {"server_error HTTP 503", "connection RemoteProtocolError"}
+    assert sum(res.stats.retry_errors.values()) == res.stats.retries
     assert res.tokens == sum(s.num_tokens for s in samples(12))
 
 
