@@ -71,7 +71,8 @@
 # again at once
 # (same knobs, EXTRACT_S=250 in a 340-s call: it resumes, the prompts and the eval capture are not asked again, the
 # relaunch ~90 s with a warm Triton cache) for ~12M tokens in all (the disk guard stops it at 4 GB free), then train
-# (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left.
+# (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left. extraction.json's run.retry_errors now names what the
+# retried requests met (3,060 retries in 10 streaks on 2026-12-05e, all survived, their kind not recorded then).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
