@@ -24,7 +24,7 @@ JSONL this module writes (the GPU machine has no network to fetch the packages).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -71,7 +71,7 @@ def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
         for p in ps.prompts:
             pid = p.id.removeprefix(f"{ps.name}:")
             lines.append(json.dumps({"id": f"{ps.name}:{pid}", "messages": p.messages, "prompt_set": ps.name,
-                                     "source": ps.source}))
+                                     "source": ps.source, **({"kind": p.kind} if p.kind else {})}))
     if not lines:
         raise ValueError("no prompts to write: every prompt set is empty")
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # `bench offline --out NEW_FOLDER` starts here
@@ -81,11 +81,19 @@ def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
 def read_prompt_source(path: str | Path) -> dict[str, str]:
     """{prompt set name: source} of a file written by :func:`write_prompt_source`."""
     out: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            out.setdefault(str(r.get("prompt_set") or str(r["id"]).split(":", 1)[0]), str(r.get("source", path)))
+    for r in _records(path):
+        out.setdefault(str(r.get("prompt_set") or str(r["id"]).split(":", 1)[0]), str(r.get("source", path)))
     return out
+
+
+def read_prompt_kinds(path: str | Path) -> dict[str, str]:
+    """{sample id: kind} of the prompts of a file written by :func:`write_prompt_source` that have a kind (MT-Bench's
+    categories; a file written before records carried kinds has none)."""
+    return {str(r["id"]): str(r["kind"]) for r in _records(path) if r.get("kind")}
+
+
+def _records(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: str | Path, *,
@@ -121,10 +129,15 @@ class SetOffline:
     """depth -> accept_length_cycles (compare with live), accept_length (per start), cycles, chains."""
     by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
     """shape name (trees: ``tree6x4n15``) -> accept_length_cycles, cycles: replayed cycle by cycle."""
+    by_kind: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """kind (the set's own grouping: MT-Bench's writing, roleplay, ...) -> samples and accept_length_cycles by depth:
+    which kinds of prompt hold the set's accept length down (what to steer the training data toward)."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["by_depth"] = {str(k): v for k, v in self.by_depth.items()}
+        d["by_kind"] = {k: {**v, "by_depth": {str(dd): x for dd, x in v["by_depth"].items()}}
+                        for k, v in self.by_kind.items()}
         return d
 
 
@@ -172,10 +185,11 @@ def cap_turns(loss_mask, cap: int):
 
 def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAULT_DEPTHS,
                          aux_layer_ids: Sequence[int] | None = None, answer_cap: int | None = None,
-                         shapes: Sequence[SpecShape] = ()) -> list[SetOffline]:
+                         shapes: Sequence[SpecShape] = (), kinds: Mapping[str, str] | None = None) -> list[SetOffline]:
     """Simulate ``draft`` on every sample of ``store``, grouped by the prompt set in its sample id (answers
     cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens): chains at every depth in
-    ``depths``, and each of ``shapes`` (trees) by replay."""
+    ``depths``, and each of ``shapes`` (trees) by replay. ``kinds`` ({sample id: kind}, :func:`read_prompt_kinds`):
+    each set's chains also per kind of prompt."""
     from eaglenest.speculative.offline import replay_shapes, simulate_depths
 
     if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
@@ -193,12 +207,19 @@ def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAU
     for name, idx in groups.items():
         res = simulate_depths(store, draft, lm_head, idx, tuple(depths))
         replayed = replay_shapes(store, draft, idx, shapes) if shapes else {}
+        of_kind: dict[str, list[int]] = {}
+        for i in idx:
+            if kind := (kinds or {}).get(ids[i]):
+                of_kind.setdefault(kind, []).append(i)
+        by_kind = {k: {"samples": len(ki), "by_depth": {d: r.accept_length_cycles for d, r in sorted(
+            simulate_depths(store, draft, lm_head, ki, tuple(depths)).items())}} for k, ki in sorted(of_kind.items())}
         out.append(SetOffline(prompt_set=name, samples=len(idx), target_agreement=res[max(depths)].target_agreement,
                               by_depth={d: {"accept_length_cycles": r.accept_length_cycles,
                                             "accept_length": r.accept_length, "cycles": r.cycles,
                                             "chains": r.chains} for d, r in sorted(res.items())},
                               by_shape={k: {"accept_length_cycles": r.accept_length_cycles, "cycles": r.cycles}
-                                        for k, r in replayed.items()}))
+                                        for k, r in replayed.items()},
+                              by_kind=by_kind))
     return out
 
 
@@ -295,6 +316,14 @@ def markdown(report: CalibrationReport) -> str:
         for s in report.sets:
             cells = [f"{s.by_shape[k]['accept_length_cycles']:.2f}" if k in s.by_shape else "-" for k in shapes]
             lines.append(f"| {s.prompt_set} | " + " | ".join(cells) + " |")
+    kinds = [(s.prompt_set, k, v) for s in report.sets for k, v in s.by_kind.items()]
+    if kinds:
+        lines += ["", "By kind of prompt (accept length per verify cycle):", "",
+                  "| prompt set | kind | samples | " + " | ".join(f"@{d}" for d in depths) + " |",
+                  "|---|---|---|" + "---|" * len(depths)]
+        for name, k, v in kinds:
+            cells = [f"{v['by_depth'][d]:.2f}" if d in v["by_depth"] else "-" for d in depths]
+            lines.append(f"| {name} | {k} | {v['samples']} | " + " | ".join(cells) + " |")
     if report.rows:
         lines += ["", "| prompt set | shape | concurrency | offline | offline per start | live | offline / live |",
                   "|---|---|---|---|---|---|---|"]
@@ -343,7 +372,8 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
         if lv.replayed is not None:
             wanted.setdefault(lv.shape, lv.replayed)
     sets = simulate_prompt_sets(store, dr, head, depths=depths, aux_layer_ids=getattr(prov, "aux_layer_ids", None),
-                                answer_cap=settings.max_new_tokens, shapes=list(wanted.values()))
+                                answer_cap=settings.max_new_tokens, shapes=list(wanted.values()),
+                                kinds=read_prompt_kinds(source))
     sources = read_prompt_source(source)
     counts = {k: ext_report.get(k) for k in ("samples", "done", "pending", "skipped", "bad_records")}
     counts["argmax_agreement"] = (ext_report.get("run") or {}).get("argmax_agreement")

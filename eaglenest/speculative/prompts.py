@@ -44,6 +44,8 @@ class PromptSetError(ValueError):
 class Prompt:
     id: str
     messages: list[dict[str, str]]
+    kind: str = ""
+    """The set's own grouping of its prompts where it has one (MT-Bench's category: writing, roleplay, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +65,8 @@ def _member(spec: tuple[str, str, str, str | None]) -> Path:
 
 def mt_bench() -> PromptSet:
     rows = [json.loads(line) for line in _member(MTBENCH).read_text().splitlines() if line.strip()]
-    prompts = [Prompt(id=f"mt-bench:{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}])
-               for r in rows]
+    prompts = [Prompt(id=f"mt-bench:{r['question_id']}", messages=[{"role": "user", "content": r["turns"][0]}],
+                      kind=str(r.get("category") or "")) for r in rows]
     return PromptSet(name="mt-bench", source=f"{MTBENCH[0]}=={MTBENCH[1]}:{MTBENCH[2]} (Apache-2.0)", prompts=prompts)
 
 

@@ -16,7 +16,8 @@ def prompt_sets() -> list[PromptSet]:
     texts = ["def main(): return os.path.join(a, b)", "import sys, os; print(sys.argv)",
              "class Foo: pass  # a tiny class", "for i in range(10): print(i)",
              "with open(path) as f: data = f.read()", "raise ValueError('bad value')"]
-    mk = [Prompt(id=f"mt-bench:{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[:4])]
+    mk = [Prompt(id=f"mt-bench:{i}", messages=[{"role": "user", "content": t}], kind=("writing", "coding")[i % 2])
+          for i, t in enumerate(texts[:4])]
     he = [Prompt(id=f"HumanEval/{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts[4:])]
     return [PromptSet(name="mt-bench", source="test", prompts=mk),
             PromptSet(name="humaneval", source="test", prompts=he)]
@@ -27,6 +28,8 @@ def test_prompt_source_round_trip(tmp_path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["id"] for r in rows][:2] == ["mt-bench:0", "mt-bench:1"] and rows[4]["id"] == "humaneval:HumanEval/0"
     assert C.read_prompt_source(path) == {"mt-bench": "test", "humaneval": "test"}
+    assert C.read_prompt_kinds(path) == {"mt-bench:0": "writing", "mt-bench:1": "coding", "mt-bench:2": "writing",
+                                         "mt-bench:3": "coding"}  # HumanEval's prompts have no kind
     with pytest.raises(ValueError, match="empty"):
         C.write_prompt_source(tmp_path / "none.jsonl", [PromptSet(name="x", source="s", prompts=[])])
     # a work folder that does not exist yet (`eaglenest bench offline --prompt-set mt-bench --out NEW`)
@@ -76,6 +79,7 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     assert mt.target_agreement > 0.95
     al = [mt.by_depth[d]["accept_length_cycles"] for d in (1, 2, 3)]
     assert al == sorted(al) and 1.5 <= al[2] <= 4.0
+    assert {k: v["samples"] for k, v in mt.by_kind.items()} == {"coding": 2, "writing": 2}  # from the source's kinds
     tree = mt.by_shape["tree3x2n5"]["accept_length_cycles"]
     assert tree >= al[2] - 0.05  # a tree replayed beside the chains
     # a level without an accept length is not a row
@@ -150,6 +154,39 @@ def test_a_training_runs_eval_is_the_offline_side():
     assert "| mt-bench | 40 | - | 1.60 | 2.20 |" in md
     with pytest.raises(ValueError, match="'heldout'"):
         C.sets_from_eval({"heldout": {"samples": 3, "step_acc": [0.5]}})
+
+
+def test_each_sets_chains_are_also_scored_per_kind_of_prompt(monkeypatch):
+    """MT-Bench's 40 prompts the grid decodes are four of its kinds; which of them holds its accept length down is
+    what to steer the training data toward (2026-12-05e: writing 2.24, math 2.62)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eaglenest.speculative import offline
+    from eaglenest.store import StoreSample
+    from eaglenest.testing.fake_store import MemoryStore
+
+    def fake_depths(store, draft, head, idx, depths):  # accept length = 1 + the mean of the indices scored
+        al = 1 + sum(idx) / len(idx)
+        return {d: SimpleNamespace(accept_length_cycles=al + d, accept_length=al, cycles=len(idx), chains=len(idx),
+                                   target_agreement=1.0) for d in depths}
+
+    monkeypatch.setattr(offline, "simulate_depths", fake_depths)
+    ids = ["mt-bench:81", "mt-bench:91", "mt-bench:92", "humaneval:0"]
+    one = torch.zeros(4, 2, dtype=torch.bfloat16)
+    store = MemoryStore([StoreSample(i, torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.bool), one, one)
+                         for i in ids], provenance=None)
+    kinds = {"mt-bench:81": "writing", "mt-bench:91": "roleplay", "mt-bench:92": "roleplay"}
+    sets = {s.prompt_set: s for s in C.simulate_prompt_sets(store, None, None, depths=(1, 3), kinds=kinds)}
+    mt = sets["mt-bench"]
+    assert mt.by_depth[3]["accept_length_cycles"] == 1 + 1 + 3  # indices 0, 1, 2
+    assert mt.by_kind == {"roleplay": {"samples": 2, "by_depth": {1: 3.5, 3: 5.5}},  # indices 1, 2
+                          "writing": {"samples": 1, "by_depth": {1: 2.0, 3: 4.0}}}
+    assert sets["humaneval"].by_kind == {}
+    assert json.loads(json.dumps(mt.to_json()))["by_kind"]["roleplay"]["by_depth"] == {"1": 3.5, "3": 5.5}
+    md = C.markdown(C.CalibrationReport(model="m", draft="d", capture={}, sets=list(sets.values())))
+    assert "| mt-bench | roleplay | 2 | 3.50 | 5.50 |" in md and "| mt-bench | writing | 1 | 2.00 | 4.00 |" in md
 
 
 def test_answers_are_scored_up_to_the_live_cap():

