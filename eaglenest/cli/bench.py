@@ -254,7 +254,7 @@ def prompts(
 
     names = prompt_set or ["mt-bench"]
     if format == "messages":
-        from eaglenest.speculative.calibration import write_prompt_source
+        from eaglenest.speculative.prompts import write_prompt_source
 
         sets = [P.load_prompt_set(n, limit=limit) for n in names]
         write_prompt_source(out, sets)

@@ -3,7 +3,7 @@
 Owns the chain from a benchmark prompt set to an offline estimate that is comparable with a live
 benchmark of the same prompts, and the side-by-side record:
 
-    source = write_prompt_source(path, [mt_bench, humaneval])      # JSONL records {"id", "messages"}
+    source = write_prompt_source(path, [mt_bench, humaneval])      # (prompts.py) JSONL {"id", "messages", "kind"}
     folder = capture_answers(source, CaptureSettings(model=..., engine="sglang", max_new_tokens=256), out)
     offline = simulate_prompt_sets(folder, model, draft, depths=range(1, 9))   # per prompt set, per depth
     report = side_by_side(offline, [BenchReport, ...])                         # offline | live | ratio
@@ -18,7 +18,8 @@ an answer. Sample ids are ``<prompt set>:<prompt id>``, so one capture run serve
 
 Invariants: a prompt set is never trained on (the captures live in their own extraction folder);
 the drafter's aux layers must equal the capture's; prompt sets travel to an offline machine as the
-JSONL this module writes (the GPU machine has no network to fetch the packages).
+JSONL :func:`~eaglenest.speculative.prompts.write_prompt_source` writes (the GPU machine has no network to fetch
+the packages).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eaglenest.engines.sglang_guards import flag_value
-from eaglenest.speculative.prompts import PromptSet
+from eaglenest.speculative.prompts import read_prompt_kinds, read_prompt_source, write_prompt_source
 from eaglenest.speculative.tree import SpecShape
 
 DEFAULT_DEPTHS = tuple(range(1, 9))
@@ -60,40 +61,6 @@ class CaptureSettings(BaseModel):
     sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments")
     extraction_id: str = Field("calibration", description="folder name under the output folder")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="per-request timeout (a hung server)")
-
-
-def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
-    """The extraction source for ``sets``: one JSONL record per prompt, id ``<set>:<prompt id>``."""
-    from eaglenest.contract import atomic_write_bytes
-
-    lines = []
-    for ps in sets:
-        for p in ps.prompts:
-            pid = p.id.removeprefix(f"{ps.name}:")
-            lines.append(json.dumps({"id": f"{ps.name}:{pid}", "messages": p.messages, "prompt_set": ps.name,
-                                     "source": ps.source, **({"kind": p.kind} if p.kind else {})}))
-    if not lines:
-        raise ValueError("no prompts to write: every prompt set is empty")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)  # `bench offline --out NEW_FOLDER` starts here
-    return atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode())
-
-
-def read_prompt_source(path: str | Path) -> dict[str, str]:
-    """{prompt set name: source} of a file written by :func:`write_prompt_source`."""
-    out: dict[str, str] = {}
-    for r in _records(path):
-        out.setdefault(str(r.get("prompt_set") or str(r["id"]).split(":", 1)[0]), str(r.get("source", path)))
-    return out
-
-
-def read_prompt_kinds(path: str | Path) -> dict[str, str]:
-    """{sample id: kind} of the prompts of a file written by :func:`write_prompt_source` that have a kind (MT-Bench's
-    categories; a file written before records carried kinds has none)."""
-    return {str(r["id"]): str(r["kind"]) for r in _records(path) if r.get("kind")}
-
-
-def _records(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def capture_answers(source: str | Path, settings: CaptureSettings, output_dir: str | Path, *,

@@ -175,3 +175,37 @@ def read_token_file(path: str | Path) -> tuple[dict[str, Any], list[list[int]]]:
 def describe(ps: PromptSet) -> dict[str, Any]:
     return {"name": ps.name, "source": ps.source, "count": len(ps.prompts),
             "first": asdict(ps.prompts[0]) if ps.prompts else None}
+
+
+def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
+    """The extraction source for ``sets``: one JSONL record per prompt, id ``<set>:<prompt id>``."""
+    from eaglenest.contract import atomic_write_bytes
+
+    lines = []
+    for ps in sets:
+        for p in ps.prompts:
+            pid = p.id.removeprefix(f"{ps.name}:")
+            lines.append(json.dumps({"id": f"{ps.name}:{pid}", "messages": p.messages, "prompt_set": ps.name,
+                                     "source": ps.source, **({"kind": p.kind} if p.kind else {})}))
+    if not lines:
+        raise ValueError("no prompts to write: every prompt set is empty")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # `bench offline --out NEW_FOLDER` starts here
+    return atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode())
+
+
+def read_prompt_source(path: str | Path) -> dict[str, str]:
+    """{prompt set name: source} of a file written by :func:`write_prompt_source`."""
+    out: dict[str, str] = {}
+    for r in _records(path):
+        out.setdefault(str(r.get("prompt_set") or str(r["id"]).split(":", 1)[0]), str(r.get("source", path)))
+    return out
+
+
+def read_prompt_kinds(path: str | Path) -> dict[str, str]:
+    """{sample id: kind} of the prompts of a file written by :func:`write_prompt_source` that have a kind (MT-Bench's
+    categories; a file written before records carried kinds has none)."""
+    return {str(r["id"]): str(r["kind"]) for r in _records(path) if r.get("kind")}
+
+
+def _records(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -9,6 +9,7 @@ import pytest
 from spec_support import one_thread
 
 from eaglenest.speculative import calibration as C
+from eaglenest.speculative import prompts as P
 from eaglenest.speculative.prompts import Prompt, PromptSet
 
 
@@ -24,16 +25,16 @@ def prompt_sets() -> list[PromptSet]:
 
 
 def test_prompt_source_round_trip(tmp_path):
-    path = C.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
+    path = P.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["id"] for r in rows][:2] == ["mt-bench:0", "mt-bench:1"] and rows[4]["id"] == "humaneval:HumanEval/0"
-    assert C.read_prompt_source(path) == {"mt-bench": "test", "humaneval": "test"}
-    assert C.read_prompt_kinds(path) == {"mt-bench:0": "writing", "mt-bench:1": "coding", "mt-bench:2": "writing",
+    assert P.read_prompt_source(path) == {"mt-bench": "test", "humaneval": "test"}
+    assert P.read_prompt_kinds(path) == {"mt-bench:0": "writing", "mt-bench:1": "coding", "mt-bench:2": "writing",
                                          "mt-bench:3": "coding"}  # HumanEval's prompts have no kind
     with pytest.raises(ValueError, match="empty"):
-        C.write_prompt_source(tmp_path / "none.jsonl", [PromptSet(name="x", source="s", prompts=[])])
+        P.write_prompt_source(tmp_path / "none.jsonl", [PromptSet(name="x", source="s", prompts=[])])
     # a work folder that does not exist yet (`eaglenest bench offline --prompt-set mt-bench --out NEW`)
-    fresh = C.write_prompt_source(tmp_path / "new" / "calib" / "prompts.jsonl", prompt_sets())
+    fresh = P.write_prompt_source(tmp_path / "new" / "calib" / "prompts.jsonl", prompt_sets())
     assert fresh.read_text() == path.read_text()
 
 
@@ -49,7 +50,7 @@ def test_offline_on_the_targets_answers_predicts_the_live_decoder(spec_tiny, tin
     from eaglenest.store.extraction import open_samples as open_store
 
     runner, untrained, _, _, _ = spec_tiny
-    source = C.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
+    source = P.write_prompt_source(tmp_path / "src.jsonl", prompt_sets())
     work = tmp_path / "work"
     ((url, _),) = capture_servers(work / "calibration" / "capture")
     live_report = {"prompt_set": "mt-bench", "spec": {"num_steps": 3, "topk": 1},
