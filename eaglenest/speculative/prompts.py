@@ -12,8 +12,10 @@ Owns the named sets and their chat messages; tokenization uses the target's own 
   complete records. Held out = the LAST complete conversations in file order that start with a human
   turn (extraction takes samples from the front), de-duplicated by prompt text.
 
-Each set is a :class:`PromptSet` with its name and source recorded in every report; token ids can
-be written to / read from JSONL so a GPU machine without network gets the exact same prompts.
+Each set is a :class:`PromptSet` with its name and source recorded in every report; token ids
+(:func:`write_token_file`) or chat messages with each prompt's kind (:func:`write_prompt_source`, the source a
+capture of the benchmark's answers reads) can be written to / read from JSONL so a GPU machine without network
+gets the exact same prompts.
 """
 
 from __future__ import annotations
