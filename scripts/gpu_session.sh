@@ -329,6 +329,8 @@ print({k: rep.get(k) for k in ('samples', 'done', 'skipped')})" > "$W/calib.log"
     # the target's answers to the eval prompts (about 1 MB): another engine can capture exactly these token
     # sequences (carried into a fresh extraction folder they are replayed, not generated) to compare features
     (cd /tmp/calib/calibration && tar -cJf "$R/calib-answers.tar.xz" answers.jsonl regenerated.jsonl) || true
+  elif [ "$calib_mode" = inline ] && grep -q '"complete": true' /tmp/calib/calibration/report.json 2>/dev/null; then
+    echo "the eval capture of an earlier data call of this window stands (/tmp/calib/calibration, complete)" >&2
   elif [ "$calib_mode" = inline ]; then  # (no fallback here: a separate capture would not fit the call's limit)
     echo "no eval capture in this call (extraction.json run.eval_capture: an error, or nothing was left to extract);" \
       "the offline side needs CAPTURE_CALIB=separate in a data call with time for it" >&2
