@@ -157,7 +157,7 @@ def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAU
     cut to their first ``answer_cap`` tokens, the live benchmark's max_new_tokens): chains at every depth in
     ``depths``, and each of ``shapes`` (trees) by replay. ``kinds`` ({sample id: kind}, :func:`read_prompt_kinds`):
     each set's chains also per kind of prompt."""
-    from eaglenest.speculative.offline import replay_shapes, simulate_depths
+    from eaglenest.speculative.offline import replay_shapes, simulate_groups
 
     if aux_layer_ids is not None and tuple(aux_layer_ids) != draft.config.aux_layer_ids:
         raise ValueError(f"the captures hold aux layers {list(aux_layer_ids)}, the drafter reads "
@@ -172,14 +172,17 @@ def simulate_prompt_sets(store, draft, lm_head, *, depths: Sequence[int] = DEFAU
         raise ValueError("the capture holds no samples (did every prompt fail? see the extraction report)")
     out = []
     for name, idx in groups.items():
-        res = simulate_depths(store, draft, lm_head, idx, tuple(depths))
-        replayed = replay_shapes(store, draft, idx, shapes) if shapes else {}
         of_kind: dict[str, list[int]] = {}
         for i in idx:
             if kind := (kinds or {}).get(ids[i]):
                 of_kind.setdefault(kind, []).append(i)
-        by_kind = {k: {"samples": len(ki), "by_depth": {d: r.accept_length_cycles for d, r in sorted(
-            simulate_depths(store, draft, lm_head, ki, tuple(depths)).items())}} for k, ki in sorted(of_kind.items())}
+        # the set and its kinds from one simulation: each sample drafted once
+        sims = simulate_groups(store, draft, lm_head, {None: idx, **dict(sorted(of_kind.items()))}, tuple(depths))
+        res = sims.pop(None)
+        replayed = replay_shapes(store, draft, idx, shapes) if shapes else {}
+        by_kind = {k: {"samples": len(of_kind[k]),
+                       "by_depth": {d: r.accept_length_cycles for d, r in sorted(sim.items())}}
+                   for k, sim in sims.items()}
         out.append(SetOffline(prompt_set=name, samples=len(idx), target_agreement=res[max(depths)].target_agreement,
                               by_depth={d: {"accept_length_cycles": r.accept_length_cycles,
                                             "accept_length": r.accept_length, "cycles": r.cycles,

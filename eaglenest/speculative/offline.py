@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -274,16 +274,22 @@ def offline_accept_length(
 def simulate_depths(store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tensor, indices: Sequence[int],
                     depths: Sequence[int]) -> dict[int, OfflineResult]:
     """One chain simulation per sample at the deepest depth, scored at every depth in ``depths``."""
+    return simulate_groups(store, draft, lm_head, {None: indices}, depths)[None]
+
+
+def simulate_groups(store: StoreLike, draft: Eagle3Drafter, lm_head: torch.Tensor,
+                    groups: Mapping[Hashable, Sequence[int]], depths: Sequence[int]
+                    ) -> dict[Hashable, dict[int, OfflineResult]]:
+    """:func:`simulate_depths` for each group of ``groups`` (name -> indices; groups may overlap, e.g. a prompt set
+    and its kinds), every sample drafted once."""
     deepest = max(depths)
-    chains: dict[int, list[SampleChains]] = {d: [] for d in depths}
-    used = []
-    for i in indices:
+    per_sample: dict[int, tuple[str, dict[int, SampleChains]]] = {}
+    for i in dict.fromkeys(i for idx in groups.values() for i in idx):
         sample = store[i]
         g, drafts = sample_drafts(draft, lm_head, sample, deepest)
-        for d in depths:
-            chains[d].append(chains_at_depth(sample, g, drafts, d))
-        used.append(sample.sample_id)
-    return {d: summarize(chains[d], d, used) for d in depths}
+        per_sample[i] = (sample.sample_id, {d: chains_at_depth(sample, g, drafts, d) for d in depths})
+    return {name: {d: summarize([per_sample[i][1][d] for i in idx], d, [per_sample[i][0] for i in idx])
+                   for d in depths} for name, idx in groups.items()}
 
 
 def replay_cycles(make_proposer: Callable[[], Proposer], sample: SampleLike, depth: int) -> list[int]:

@@ -173,7 +173,10 @@ def test_each_sets_chains_are_also_scored_per_kind_of_prompt(monkeypatch):
         return {d: SimpleNamespace(accept_length_cycles=al + d, accept_length=al, cycles=len(idx), chains=len(idx),
                                    target_agreement=1.0) for d in depths}
 
-    monkeypatch.setattr(offline, "simulate_depths", fake_depths)
+    def fake_groups(store, draft, head, groups, depths):  # what simulate_groups computes, per group
+        return {name: fake_depths(store, draft, head, idx, depths) for name, idx in groups.items()}
+
+    monkeypatch.setattr(offline, "simulate_groups", fake_groups)
     ids = ["mt-bench:81", "mt-bench:91", "mt-bench:92", "humaneval:0"]
     one = torch.zeros(4, 2, dtype=torch.bfloat16)
     store = MemoryStore([StoreSample(i, torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.bool), one, one)

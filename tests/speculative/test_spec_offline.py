@@ -20,6 +20,8 @@ from eaglenest.speculative.offline import (
     replay_cycles,
     replay_shapes,
     score_sample,
+    simulate_depths,
+    simulate_groups,
     summarize,
 )
 from eaglenest.speculative.serve import load_spec_decoder
@@ -123,6 +125,11 @@ def test_simulation_on_regenerated_data_matches_every_live_cycle(spec_tiny):
     assert res.accept_length_cycles == pytest.approx(1 + sum(walked) / len(walked))
     bf16 = offline_accept_length(make_store(runner, seqs, plens), draft, head, num_steps=3, heldout_fraction=1.0)
     assert bf16.target_agreement > 0.95 and abs(bf16.accept_length - res.accept_length) < 0.1  # the store's dtype
+    # overlapping groups (a prompt set and its kinds) from one simulation: each exactly as simulated alone
+    groups = {"all": list(range(len(seqs))), "first": [0], "rest": list(range(1, len(seqs)))}
+    together = simulate_groups(store, draft, head, groups, (1, 3))
+    for name, idx in groups.items():
+        assert together[name] == simulate_depths(store, draft, head, idx, (1, 3)), name
 
 
 def test_replay_of_a_chain_is_the_cycle_walk(spec_tiny):
