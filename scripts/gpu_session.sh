@@ -169,6 +169,16 @@ save_kernels() {  # never fails the step either
   return 0
 }
 
+machine_state() {  # $1 a file: what the host and the GPU are doing (EAGLE3's cycle cost at 1 request is host-bound and
+  # has moved 1.5x between machines: 3.1 ms on 2026-12-03e, 4.3 ms on 2026-12-05e, same flags and drafter shape)
+  { date -u; lscpu | grep -E 'Model name|^CPU\(s\)|MHz' || true; cat /proc/loadavg
+    ps -eo pid,pcpu,rss,etimes,comm --sort=-pcpu | head -12
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,memory.used \
+      --format=csv || true
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv || true
+    nvidia-smi -q -d PERFORMANCE | grep -A12 'Clocks Event Reasons' || true; } > "$1" 2>&1
+}
+
 send_back() {  # $1 an exported drafter of /tmp/export, in parts of <= 15 MB, when $OUT then holds at most $2 files
   local have parts
   have=$(find "$OUT" -maxdepth 1 -type f | wc -l)
@@ -187,6 +197,7 @@ setup)
   copy_parts
   restore_kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
+  machine_state "$R/machine-setup.txt"
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
@@ -466,6 +477,7 @@ bench)
                                echo "$name" >> "$W/drafters-left.txt"; }
     done
   fi
+  machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   drafters=${DRAFTERS:-wide}
   if [ "$drafters" = best ]; then  # the train step's drafters, the highest offline MT-Bench accept length @3 first
