@@ -1,4 +1,4 @@
-"""The capture contract: conventions, provenance, shard format v1 and atomic writes.
+"""The capture contract: conventions, provenance and shard format v1.
 
 Owns what every stage agrees on and nothing else (no torch model code, no HTTP):
 
@@ -11,20 +11,18 @@ Owns what every stage agrees on and nothing else (no torch model code, no HTTP):
 - Shard v1: one safetensors file per request id with ``input_ids`` int32 [T], ``aux_hidden`` bf16
   [T, k*H], ``final_hidden`` bf16 [T, H] and string metadata (schema version, sample id, provenance).
 
-Invariants: a shard exists under its final name only if it was completely written (tmp + fsync +
-rename + directory fsync); readers ignore ``*.tmp``; readers refuse schema versions they do not know;
-a sample id becomes a file name only through :func:`shard_filename` (never escapes its folder).
+Invariants: a shard exists under its final name only if it was completely written (written and published
+through :mod:`eaglenest.atomic`: tmp + fsync + rename + directory fsync); readers ignore ``*.tmp``; shards are
+write-once (:func:`publish_shard`); readers refuse schema versions they do not know; a sample id becomes a file
+name only through :func:`shard_filename` (never escapes its folder).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +33,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from eaglenest.atomic import atomic_write_bytes, publish_once
+
 SCHEMA_VERSION = 1
 CONVENTION = (
     "eaglenest-capture/v1: aux=output of decoder layer id (hf hidden_states[id+1]); "
     "final=final-norm output; prefill only; every prompt token computed in one request prefill"
 )
 SHARD_SUFFIX = ".safetensors"
-TMP_SUFFIX = ".tmp"
 NO_CAPTURE_RID_PREFIX = "nocapture:"
 """Requests whose rid starts with this prefix are served without capture (regeneration, benchmarks)."""
 
@@ -212,72 +211,6 @@ def shard_filename(sample_id: str) -> str:
     return f"{clean.lstrip('.')[:80]}~{digest}{SHARD_SUFFIX}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temporary_name(path: Path) -> Path:
-    """A unique ``<name>.<rand>.tmp`` beside ``path`` (readers ignore the suffix; cleaners remove it)."""
-    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
-
-
-def _write_fsynced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` so that the final name holds either nothing or all of it.
-
-    A unique ``<name>.<rand>.tmp`` in the same folder is written, fsynced and renamed over the final
-    name; the folder is fsynced so the rename survives a power loss. On any error the temporary is
-    removed and the error re-raised (disk full stays an OSError with its errno).
-    """
-    path = Path(path)
-    tmp = _temporary_name(path)
-    try:
-        _write_fsynced(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def publish_once(path: str | Path, data: bytes) -> tuple[Path, bytes]:
-    """Atomically create ``path`` with ``data`` unless a complete file is already there.
-
-    Shards are write-once: a late duplicate of a request (a client retried after a timeout while the
-    engine was still computing the first attempt) must never replace a shard that may already be
-    validated and recorded by its sha256. Returns the path and the bytes now under it (the earlier
-    file's when one was kept). To replace a shard, move it away first (quarantine).
-    """
-    path = Path(path)
-    tmp = _temporary_name(path)
-    try:
-        _write_fsynced(tmp, data)
-        try:
-            os.link(tmp, path)  # fails if the name exists: never overwrites
-        except FileExistsError:
-            return path, path.read_bytes()
-        finally:
-            os.unlink(tmp)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path, data
-
-
 def publish_shard(path: str | Path, data: bytes) -> dict[str, Any]:
     """Publish an encoded shard once and return the receipt of the file now under ``path``.
 
@@ -410,14 +343,3 @@ def iter_shard_paths(directory: str | Path) -> Iterator[Path]:
         if p.name.endswith(SHARD_SUFFIX) and p.is_file():
             yield p
 
-
-def clean_temporaries(directory: str | Path) -> int:
-    """Remove leftover ``*.tmp`` files (from killed writers); returns how many were removed."""
-    directory = Path(directory)
-    n = 0
-    if directory.is_dir():
-        for p in directory.glob(f"*{TMP_SUFFIX}"):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-                n += 1
-    return n

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.extraction.config import ExtractParams
 from eaglenest.forms import show_bounds
@@ -317,7 +317,7 @@ class StageBook:
         book = self.read()
         book[stage] = {"key": key, "output": output.recorded(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        contract.atomic_write_bytes(self.path, json.dumps(book, indent=1, sort_keys=True, default=str).encode())
+        atomic_write_bytes(self.path, json.dumps(book, indent=1, sort_keys=True, default=str).encode())
 
 
 def output_valid(out: StageOutput) -> bool:

@@ -58,6 +58,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest import models as model_lib
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.data import BatchStream, store_view
 from eaglenest.drafter.export import export_drafter, sglang_config
 from eaglenest.drafter.model import DrafterConfig
@@ -164,7 +165,7 @@ def feature_record(sample, max_seq_len: int) -> dict[str, torch.Tensor]:
 def _save_torch(obj, path: Path) -> int:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    contract.atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
     return buf.tell()
 
 
@@ -184,8 +185,8 @@ def target_view(target_dir: Path, out: Path) -> str:
         with safe_open(str(f), framework="pt") as fh:
             names.update(dict.fromkeys(fh.keys(), f.name))
     if not list(out.glob("*.index.json")):
-        contract.atomic_write_bytes(out / "model.safetensors.index.json",
-                                    json.dumps({"metadata": {}, "weight_map": names}).encode())
+        atomic_write_bytes(out / "model.safetensors.index.json",
+                           json.dumps({"metadata": {}, "weight_map": names}).encode())
     tied = json.loads((target_dir / "config.json").read_text()).get("tie_word_embeddings")
     return "model.embed_tokens.weight" if tied or "lm_head.weight" not in names else "lm_head.weight"
 
@@ -226,12 +227,12 @@ def convert(store, s: Settings, sel: Selection) -> dict:
     _save_torch({"d2t": vocab.d2t, "t2d": vocab.t2d}, work / VOCAB)
     dcfg = DrafterConfig.from_target(tcfg, aux_layer_ids=tuple(store.provenance.aux_layer_ids),
                                      draft_vocab_size=vocab.size)
-    contract.atomic_write_bytes(work / DRAFT_CONFIG, json.dumps(sglang_config(dcfg), indent=1).encode())
+    atomic_write_bytes(work / DRAFT_CONFIG, json.dumps(sglang_config(dcfg), indent=1).encode())
     lm_head_key = target_view(target_dir, work / TARGET_VIEW)
     done = {"key": key, "samples": len(sel.indices), "tokens": sel.tokens, "bytes": nbytes, "seconds": seconds,
             "vocab_coverage": vocab.coverage, "lm_head_key": lm_head_key, "selection": asdict(sel),
             "loss_mask": "shifted left by one (SpecForge counts anchor t by mask[t]; eaglenest by mask[t + 1])"}
-    contract.atomic_write_bytes(manifest_path, json.dumps(done).encode())
+    atomic_write_bytes(manifest_path, json.dumps(done).encode())
     return done
 
 
@@ -337,7 +338,7 @@ def export_specforge(work: Path) -> Path:
     read_draft_config(tmp)  # architectures, eagle_config aux ids: what SGLang and our loader need
     source = {"trainer": "specforge", "version": importlib.metadata.version("specforge"),
               "selection": json.loads((work / SELECTION).read_text())["key"]}
-    contract.atomic_write_bytes(tmp / "specforge.json", json.dumps(source).encode())
+    atomic_write_bytes(tmp / "specforge.json", json.dumps(source).encode())
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(report_path.read_text()) if report_path.is_file() and a.phase != "all" else {}
     report.update(settings=asdict(s), command=" ".join(sys.argv), versions=_versions(), device=(
         torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
-    contract.atomic_write_bytes(work / "settings.json", json.dumps(asdict(s)).encode())
+    atomic_write_bytes(work / "settings.json", json.dumps(asdict(s)).encode())
     store = open_samples(s.store, check_sha256=s.check_sha256)
     sel = select_samples(store, s)
     if a.phase in ("all", "convert"):
@@ -463,19 +464,19 @@ def main(argv: list[str] | None = None) -> int:
         lm_head_key = json.loads((work / SELECTION).read_text())["lm_head_key"]
         sf = train_specforge(specforge_config(s, sel, lm_head_key), mean_tokens=sel.tokens / len(sel.indices))
         report.setdefault("train", {})["specforge"] = sf
-        contract.atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
+        atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
         print(json.dumps({k: v for k, v in sf.items() if k != "log"}), flush=True)
         export_specforge(work)
     if a.phase in ("all", "train-eaglenest"):
         en = train_eaglenest(store, s, sel)
         report.setdefault("train", {})["eaglenest"] = en
         print(json.dumps(en), flush=True)
-    contract.atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
+    atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
     if a.phase in ("all", "score"):
         drafts = {n: work / d for n, d in (("eaglenest", EN_EXPORT), ("specforge", SF_EXPORT)) if (work / d).is_dir()}
         drafts.update({n: Path(p) for n, p in _pairs(a.draft, "--draft").items()})
         report["scores"] = score(store, s, drafts, _pairs(a.eval_set, "--eval-set"))
-        contract.atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
+        atomic_write_bytes(report_path, json.dumps(report, indent=1, default=str).encode())
         print(table(report), flush=True)
     return 0
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from eaglenest import contract
+from eaglenest import atomic, contract
 from eaglenest.contract import ContractError, Provenance, Shard, UnknownSchemaVersion
 
 
@@ -148,7 +148,7 @@ def test_killed_writer_leaves_no_shard_under_final_name(tmp_path):
     assert not (out / contract.shard_filename("victim")).exists()
     assert list(out.glob("*.tmp")), "the killed writer's temporary should be there to clean"
     assert list(contract.iter_shard_paths(out)) == []
-    assert contract.clean_temporaries(out) == 1
+    assert atomic.clean_temporaries(out) == 1
     contract.write_shard(out, make_shard("victim", t=8))  # a resume rewrites it
     assert [p.name for p in contract.iter_shard_paths(out)] == ["victim.safetensors"]
 
@@ -157,7 +157,7 @@ def test_failed_write_removes_temporary(tmp_path, monkeypatch):
     def full(*_a, **_k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(contract.os, "replace", full)
+    monkeypatch.setattr(atomic.os, "replace", full)
     with pytest.raises(OSError, match="No space"):
         contract.write_shard(tmp_path, make_shard())
     assert list(tmp_path.iterdir()) == []
@@ -167,9 +167,9 @@ def test_shards_are_write_once(tmp_path):
     """A late duplicate (client retried after a timeout) never replaces a shard that may be validated."""
     first = contract.encode_shard(make_shard("dup", seed=1))
     second = contract.encode_shard(make_shard("dup", seed=2))
-    path, kept = contract.publish_once(tmp_path / "dup.safetensors", first)
+    path, kept = atomic.publish_once(tmp_path / "dup.safetensors", first)
     assert kept == first
-    path2, kept2 = contract.publish_once(tmp_path / "dup.safetensors", second)
+    path2, kept2 = atomic.publish_once(tmp_path / "dup.safetensors", second)
     assert path2 == path and kept2 == first and path.read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.safetensors"]  # no temporary left
 

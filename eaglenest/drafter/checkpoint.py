@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes, fsync_dir
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 LATEST = "LATEST"
@@ -51,14 +52,6 @@ class Checkpoint:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointManager:
@@ -105,10 +98,10 @@ class CheckpointManager:
         (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
         for f in tmp.iterdir():
             _fsync_file(f)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.dir / name
         self._commit(tmp, final)
-        contract.atomic_write_bytes(self.dir / LATEST, name.encode())
+        atomic_write_bytes(self.dir / LATEST, name.encode())
         self._rotate(final)
         return final
 
@@ -116,7 +109,7 @@ class CheckpointManager:
         if final.exists():  # a re-save of the same step (resumed run): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _rotate(self, newest: Path) -> None:
         done = self.complete()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 
 HELDOUT = "heldout"  # the set name of the training store's own held-out split (older runs wrote none)
 
@@ -93,7 +93,7 @@ def plot_loss_curve(run_dir: str | Path, png: str | Path | None = None) -> Path:
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     png.parent.mkdir(parents=True, exist_ok=True)
-    contract.atomic_write_bytes(png, buf.getvalue())
+    atomic_write_bytes(png, buf.getvalue())
     return png
 
 
@@ -166,5 +166,5 @@ def plot_sweep(curves: dict[str, dict[str, list[dict]]], png: str | Path, depths
     plt.close(fig)
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    contract.atomic_write_bytes(png, buf.getvalue())
+    atomic_write_bytes(png, buf.getvalue())
     return png

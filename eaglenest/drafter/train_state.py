@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from eaglenest import contract
 from eaglenest import models as model_lib
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
@@ -151,7 +152,7 @@ def finished_result(run_dir: Path, d: Dist, resume, total: int) -> TrainResult:
                          eval=st.get("last_eval"), history=st["history"], note="schedule finished",
                          eval_sets={k: v for k, v in (st.get("last_eval_sets") or {}).items() if k != HELDOUT})
     if d.rank == 0 and not (run_dir / "result.json").is_file():
-        contract.atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
+        atomic_write_bytes(run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
     return result
 
 

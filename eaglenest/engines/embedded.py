@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest import contract
+from eaglenest.atomic import clean_temporaries
 from eaglenest.engines.runtime import Captured, Generation, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class EmbeddedEngine:
         self.capture_dir = Path(capture_dir) if capture_dir else None
         if self.capture_dir:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            removed = contract.clean_temporaries(self.capture_dir)
+            removed = clean_temporaries(self.capture_dir)
             if removed:
                 log.info("removed %d stale temporaries from %s", removed, self.capture_dir)
         self._queue: queue.Queue[Work | None] = queue.Queue()

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 
 ENV_LAUNCH_TOKEN = "EAGLENEST_LAUNCH_TOKEN"
 _PR_SET_PDEATHSIG = 1
@@ -273,7 +274,7 @@ class ServerRecords:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"servers": [{"pid": r.pid, "cmd": list(r.cmd), "url": r.url} for r in records]}
-        contract.atomic_write_bytes(self.path, json.dumps(data).encode())
+        atomic_write_bytes(self.path, json.dumps(data).encode())
 
     def add(self, server: ServerProcess) -> None:
         if server.pid is None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes, clean_temporaries
 from eaglenest.engines import ENV_PROBE_DRAFT_DIR, ENV_PROFILE_DIR
 from eaglenest.engines.sglang_capture import (
     PROVENANCE_FILE,
@@ -253,13 +254,13 @@ def setup_runtime(runner: Any, config: CaptureConfig) -> CaptureRuntime | None:
 
     provenance = _provenance(runner, ids)
     config.capture_dir.mkdir(parents=True, exist_ok=True)
-    contract.clean_temporaries(config.capture_dir)
+    clean_temporaries(config.capture_dir)
     # the writer runs in a child process (the scheduler thread must not wait for the GIL: sglang_staging)
     in_process = config.writer == "thread" or not shared_memory_available()
     writer_cls = CaptureWriter if in_process else ProcessWriter
     writer = writer_cls(capture_dir=config.capture_dir, receipt_dir=config.receipt_dir, provenance=provenance,
                         threads=config.writer_threads)
-    contract.atomic_write_bytes(config.receipt_dir / PROVENANCE_FILE, provenance.to_json().encode())
+    atomic_write_bytes(config.receipt_dir / PROVENANCE_FILE, provenance.to_json().encode())
     runtime = CaptureRuntime(writer=writer, copier=DeviceCopier(config.max_inflight, shared=not in_process),
                              num_aux=len(ids), extend_mode=ForwardMode.EXTEND, runner=runner)
     wrap_logits_processor(lp, runtime)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest import contract
+from eaglenest.atomic import TMP_SUFFIX
 
 log = logging.getLogger("eaglenest.sglang")
 
@@ -30,7 +31,7 @@ def write_receipt(receipt_dir: str | Path, rid: str, payload: dict[str, Any]) ->
     """Publish a receipt atomically (rename); no fsync: receipts are ephemeral signals, the shard
     they name was fsynced before."""
     path = receipt_path(receipt_dir, rid)
-    tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}{contract.TMP_SUFFIX}")
+    tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
     tmp.write_text(json.dumps({"rid": rid, **payload}))
     os.replace(tmp, path)
 

@@ -16,6 +16,7 @@ import httpx
 import torch
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.data.chat import ChatEncoder
 from eaglenest.engines.preflight import Preflight, PreflightError, preflight
 from eaglenest.engines.server_pool import LaunchSpec, ServerPool
@@ -121,7 +122,7 @@ def connect(ext: Extraction, pool: ServerPool, *, transport: httpx.AsyncBaseTran
                             f"({', '.join(pinned.mismatches(pf.provenance))} differ from {pinned_path}); "
                             "use another extraction_id for this server setup")
     if pf.provenance is not None and pinned is None:
-        contract.atomic_write_bytes(pinned_path, pf.provenance.to_json().encode())
+        atomic_write_bytes(pinned_path, pf.provenance.to_json().encode())
     expect = expect.pinned(pf.provenance or pinned) if (pf.provenance or pinned) else expect
     limit = ext.token_limit
     if pf.context_length:

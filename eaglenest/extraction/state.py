@@ -44,6 +44,7 @@ from pathlib import Path
 
 from eaglenest import contract
 from eaglenest import models as model_lib
+from eaglenest.atomic import atomic_write_bytes, clean_temporaries
 from eaglenest.data.chat import ChatEncoder, Skipped, build_samples
 from eaglenest.data.samples import Sample, read_samples, write_samples
 from eaglenest.data.sources import BadRecord, SourceError, detect_format, read_records, source_fingerprint
@@ -120,7 +121,7 @@ class Extraction:
 
 def write_json(path: Path, data: dict) -> None:
     """A JSON file of the extraction folder, written atomically."""
-    contract.atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
+    atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())
 
 
 def check_source(params: ExtractParams) -> str:
@@ -150,8 +151,8 @@ def open_extraction(params: ExtractParams) -> Extraction:
                      model_dir=model_dir, num_layers=layers, hidden_size=hidden, context_length=ctx,
                      aux_layer_ids=aux, fingerprint=model_lib.model_fingerprint(model_dir), source_key=source_key)
     ext.capture_dir.mkdir(parents=True, exist_ok=True)
-    contract.clean_temporaries(ext.capture_dir)
-    contract.clean_temporaries(ext.dir)
+    clean_temporaries(ext.capture_dir)
+    clean_temporaries(ext.dir)
     identity = {**params.identity(), "model": ext.fingerprint["model_hash"], "aux_layer_ids": list(aux)}
     meta_path = ext.path("extraction.json")
     if meta_path.is_file():

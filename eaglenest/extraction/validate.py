@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.checking import check_pool
 from eaglenest.extraction.ledger import LedgerEntry
@@ -236,7 +237,7 @@ def quarantine(extraction_dir: str | Path, path: Path, sample_id: str, reason: s
         name = f"{path.name}.{n}"
     os.replace(path, qdir / name)
     note = {"sample_id": sample_id, "kind": kind, "reason": reason, "shard": path.name, "time": time.time()}
-    contract.atomic_write_bytes(qdir / f"{name}.reason.json", json.dumps(note, indent=1).encode())
+    atomic_write_bytes(qdir / f"{name}.reason.json", json.dumps(note, indent=1).encode())
     return name
 
 
@@ -353,7 +354,7 @@ def validate_batch(
             expect = expect.pinned(res.provenance)
             out.pinned = res.provenance
         if path.parent != capture:
-            contract.atomic_write_bytes(capture / path.name, path.read_bytes())
+            atomic_write_bytes(capture / path.name, path.read_bytes())
             path.unlink()
         checked.append((s, capture / path.name, res))
     out.outliers = _flag_outliers([c.stats for _, _, c in checked], config.outlier_factor)

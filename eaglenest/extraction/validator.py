@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.data.samples import Sample
 from eaglenest.extraction.checking import check_pool
 from eaglenest.extraction.report import Counts
@@ -58,7 +59,7 @@ def validate_step(ext: Extraction, ctx: RunContext, samples: Sequence[Sample], *
     if res.pinned is not None:
         pinned = ext.path("provenance.json")
         if not pinned.is_file():
-            contract.atomic_write_bytes(pinned, res.pinned.to_json().encode())
+            atomic_write_bytes(pinned, res.pinned.to_json().encode())
         ctx.expect = ctx.expect.pinned(res.pinned)
     by_id = {s.sample_id: s for s in samples}
     c = step.counts

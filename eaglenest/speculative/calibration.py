@@ -306,7 +306,7 @@ def markdown(report: CalibrationReport) -> str:
 
 
 def write_calibration(report: CalibrationReport, out_dir: str | Path) -> Path:
-    from eaglenest.contract import atomic_write_bytes
+    from eaglenest.atomic import atomic_write_bytes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

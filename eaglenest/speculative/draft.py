@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
 from eaglenest.drafter.target import load_target_tensors
 
@@ -177,5 +178,5 @@ def write_random_draft(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    contract.atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
+    atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
     return out

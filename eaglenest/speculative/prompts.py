@@ -156,7 +156,7 @@ def tokenize(ps: PromptSet, tokenizer: Any, *, max_prompt_tokens: int | None = N
 
 def write_token_file(path: str | Path, ps: PromptSet, token_ids: Sequence[list[int]]) -> Path:
     """JSONL: a header line (name, source) then one {"input_ids": [...]} per prompt (atomic)."""
-    from eaglenest.contract import atomic_write_bytes
+    from eaglenest.atomic import atomic_write_bytes
 
     lines = [json.dumps({"prompt_set": ps.name, "source": ps.source, "count": len(token_ids)})]
     lines += [json.dumps({"input_ids": ids}) for ids in token_ids]
@@ -181,7 +181,7 @@ def describe(ps: PromptSet) -> dict[str, Any]:
 
 def write_prompt_source(path: str | Path, sets: Sequence[PromptSet]) -> Path:
     """The extraction source for ``sets``: one JSONL record per prompt, id ``<set>:<prompt id>``."""
-    from eaglenest.contract import atomic_write_bytes
+    from eaglenest.atomic import atomic_write_bytes
 
     lines = []
     for ps in sets:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglenest.contract import atomic_write_bytes
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.speculative.live import LevelResult, ServerResult
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.speculative.quant import QUANTS
 
 PROB_DECIMALS = 10
@@ -192,8 +193,6 @@ def measured_best_shape(path: Path = BEST_SHAPE_FILE) -> SpecShape:
 
 
 def save_best_shape(shape: SpecShape, evidence: dict, path: Path = BEST_SHAPE_FILE) -> Path:
-    from eaglenest import contract
-
-    contract.atomic_write_bytes(path, (json.dumps({"shape": shape.name, **shape.to_json(), "measured": evidence},
-                                                  indent=1) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps({"shape": shape.name, **shape.to_json(), "measured": evidence},
+                                         indent=1) + "\n").encode())
     return path

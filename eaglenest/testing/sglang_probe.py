@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 
 log = logging.getLogger("eaglenest.sglang")
 T_DRAFT_FORWARD = "sglang.srt.models.llama_eagle3.LlamaModel.forward"
@@ -50,7 +51,7 @@ def _before_draft_forward(model: Any, input_ids: Any, positions: Any, forward_ba
         for rid, n, prefix in zip(forward_batch.rids, forward_batch.extend_seq_lens_cpu, prefixes, strict=True):
             data = st_save({"aux_hidden": rows[start:start + n].contiguous()},
                            metadata={"rid": str(rid), "prefix_len": str(int(prefix))})
-            contract.atomic_write_bytes(_probe_dir / probe_name(str(rid), int(prefix)), data)
+            atomic_write_bytes(_probe_dir / probe_name(str(rid), int(prefix)), data)
             start += n
     except Exception:
         log.exception("eaglenest draft probe failed")

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from eaglenest import contract
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.engines.pool import LaunchError, ServerProcess, embedded_command
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.engines.runtime import Captured
@@ -143,7 +144,7 @@ def plant_nan(real, w, cap):
     meta = {"schema_version": "1", "sample_id": w.rid, "provenance": real.__self__.provenance.to_json()}
     data = st_save({"input_ids": torch.tensor(w.input_ids, dtype=torch.int32), "aux_hidden": aux,
                     "final_hidden": cap.final_hidden}, metadata=meta)
-    contract.atomic_write_bytes(real.__self__.capture_dir / contract.shard_filename(w.rid), data)
+    atomic_write_bytes(real.__self__.capture_dir / contract.shard_filename(w.rid), data)
     return None  # like SGLang: no capture meta in the answer
 
 
