@@ -497,16 +497,24 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
-    base=(); [ -f "$W/server_baseline.json" ] && base=(--baseline-json "$W/server_baseline.json")
+    # SGLANG_ARGS: extra server flags for both servers (e.g. "--enable-torch-compile --torch-compile-max-bs 1"); a
+    # baseline is reused only by a bench with the same flags (SGLANG_* environment variables reach the servers as is)
+    sg=(); for a in ${SGLANG_ARGS:-}; do sg+=("--sglang-arg=$a"); done
+    base=()
+    if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "${SGLANG_ARGS:-}" ]; then
+      base=(--baseline-json "$W/server_baseline.json")
+    fi
     # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
     [ "${ROUNDS:-1}" = 1 ] || base=(--rounds "$ROUNDS")
     mkdir -p "$R/grid-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
-      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" \
+      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${sg[@]}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
-    [ "${ROUNDS:-1}" != 1 ] || cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null || true
+    if [ "${ROUNDS:-1}" = 1 ] && cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
+      printf '%s' "${SGLANG_ARGS:-}" > "$W/server_baseline.args"
+    fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
     if [ "${CALIB:-0}" = 1 ]; then
