@@ -35,9 +35,11 @@ import fsspec
 import pyarrow as pa
 import torch
 
+from eaglenest.atomic import TMP_SUFFIX
 from eaglenest.contract import Provenance, Shard
 from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
 from eaglenest.store import layout as L
+from eaglenest.store import storage
 from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_samples
 from eaglenest.store.reader import open_store
 from eaglenest.store.shards import check_inputs, check_pending, group_entries, prefetch_shards
@@ -144,7 +146,7 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema,
     """Write one data file, then its sidecar; returns the sidecar record."""
     path = L.join(root, L.DATA_DIR, pf.key + L.DATA_SUFFIX)
     rows = []
-    with L.committed_file(fs, path, background_hash=True) as sink:
+    with storage.committed_file(fs, path, background_hash=True) as sink:
         writer = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema, options=L.IPC_OPTIONS)
         pos = L.first_batch_offset(schema)
         for _ in pf.entries:
@@ -154,11 +156,11 @@ def _write_file(fs, root: str, pf: _Planned, schema: pa.Schema,
                              num_tokens=entry.num_tokens, loss_tokens=int(columns[1].sum()),
                              shard_sha256=entry.sha256))
             pos = sink.size
-            if L.is_local(fs):
+            if storage.is_local(fs):
                 sink.start_writeback()
         writer.close()
     record = {"key": pf.key, "bytes": sink.size, "sha256": sink.hexdigest(), "rows": rows}
-    L.write_bytes(fs, path + L.SIDECAR_SUFFIX, json.dumps(record).encode())
+    storage.write_bytes(fs, path + L.SIDECAR_SUFFIX, json.dumps(record).encode())
     return record
 
 
@@ -173,8 +175,8 @@ def _read_sidecar(fs, path: str) -> dict | None:
 def quarantine(fs, root: str, path: str, reason: str) -> str:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
     dst = L.join(root, L.QUARANTINE_DIR, f"{path.rsplit('/', 1)[-1]}.{stamp}")
-    L.move(fs, path, dst)
-    L.write_bytes(fs, dst + ".reason.json", json.dumps({"file": path, "reason": reason}).encode())
+    storage.move(fs, path, dst)
+    storage.write_bytes(fs, dst + ".reason.json", json.dumps({"file": path, "reason": reason}).encode())
     return dst
 
 
@@ -192,7 +194,7 @@ def _reusable(fs, root: str, pf: _Planned, sizes: dict[str, int], trusted: dict 
     elif trusted and not rehash:
         return record  # vouched for by this version's committed manifest and the size matches
     else:
-        _, sha = L.sha256_file(fs, path)
+        _, sha = storage.sha256_file(fs, path)
         if sha == expect_sha == record["sha256"]:
             return record
         reason = f"sha256 {sha} != {expect_sha}"
@@ -201,18 +203,18 @@ def _reusable(fs, root: str, pf: _Planned, sizes: dict[str, int], trusted: dict 
 
 
 def _write_manifest(fs, root: str, version: str, manifest: dict) -> None:
-    L.write_bytes(fs, L.version_path(root, version, L.MANIFEST_NAME), L.encode_manifest(manifest))
+    storage.write_bytes(fs, L.version_path(root, version, L.MANIFEST_NAME), L.encode_manifest(manifest))
 
 
 def _clean_stale(fs, root: str, older_than_s: float) -> int:
-    if not L.is_local(fs):
+    if not storage.is_local(fs):
         return 0  # remote writes use transactions: no temporaries exist
     n, now = 0, time.time()
     for folder in (L.join(root, L.DATA_DIR), *fs.glob(L.join(root, L.VERSIONS_DIR, "*"))):
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for name in os.listdir(folder):
                 p = os.path.join(folder, name)
-                if name.endswith(L.TMP_SUFFIX) and now - os.path.getmtime(p) > older_than_s:
+                if name.endswith(TMP_SUFFIX) and now - os.path.getmtime(p) > older_than_s:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
                         n += 1
@@ -248,7 +250,7 @@ def convert(
         raise ValueError(f"target_file_bytes must be positive, got {target_file_bytes}")
     check_encoding(encoding)
     dev = encode_device(device)
-    fs, root = L.resolve(url, storage_options)
+    fs, root = storage.resolve(url, storage_options)
     ledger = Ledger(extraction_dir)
     entries = list(ledger.entries().values())
     if not entries:
@@ -356,7 +358,7 @@ def _commit_version(fs, root, version, prov, records, parent, old, extraction_di
         raise L.ConvertInputError("duplicate sample ids across the version's files; this is a bug, please report")
     index = L.encode_index(cols)
     index_rel = f"{L.VERSIONS_DIR}/{version}/{L.INDEX_NAME}"
-    L.write_bytes(fs, L.join(root, index_rel), index)
+    storage.write_bytes(fs, L.join(root, index_rel), index)
     manifest = {
         "format": "eaglenest-store",
         "layout": L.LAYOUTS[prov.store_encoding],

@@ -32,6 +32,7 @@ import torch
 
 from eaglenest.contract import Provenance, UnknownSchemaVersion
 from eaglenest.store import layout as L
+from eaglenest.store import storage
 from eaglenest.store.encoding import Fp8States, StoreSample
 
 _WILLNEED_MIN = 1 << 20
@@ -69,7 +70,7 @@ def _parse_manifest(data: bytes, where: str) -> dict:
 
 def list_versions(url: str, *, storage_options: dict | None = None) -> list[dict]:
     """Manifests of every committed version at ``url``, oldest first."""
-    fs, root = L.resolve(url, storage_options)
+    fs, root = storage.resolve(url, storage_options)
     found = []
     for path in fs.glob(L.join(root, L.VERSIONS_DIR, "*", L.MANIFEST_NAME)):
         found.append(_parse_manifest(_read(fs, path), path))
@@ -96,7 +97,7 @@ def open_store(
 
 def _open(url: str, storage_options: dict | None, version: str | None, *, check_sha256: bool,
           check_sizes: bool) -> Store:
-    fs, root = L.resolve(url, storage_options)
+    fs, root = storage.resolve(url, storage_options)
     parts = root.rsplit("/", 2)
     if version is None and len(parts) == 3 and parts[1] == L.VERSIONS_DIR:
         root, version = parts[0], parts[2]
@@ -131,7 +132,7 @@ class Store:
         self.provenance = Provenance.from_json(manifest["provenance"])
         self._check_encodings()
         self._schema = L.data_schema(self.provenance)
-        self._local = L.is_local(fs)
+        self._local = storage.is_local(fs)
         self._paths = [L.join(root, f["path"]) for f in manifest["files"]]
         index_path = L.join(root, manifest["index"]["path"])
         data = _read(fs, index_path)
@@ -219,7 +220,7 @@ class Store:
         key = (self._identity(f), want)
         if key in _CHECKED:
             return
-        got = hashlib.sha256(data).hexdigest() if data is not None else L.sha256_file(self.fs, self._paths[f])[1]
+        got = hashlib.sha256(data).hexdigest() if data is not None else storage.sha256_file(self.fs, self._paths[f])[1]
         if got != want:
             raise L.StoreCorrupt(f"data file {self._paths[f]}: sha256 {got[:16]}... differs from the manifest's "
                                  f"{want[:16]}... (its bytes changed after conversion); {self._remedy()}")

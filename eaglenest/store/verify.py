@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from eaglenest.store import layout as L
+from eaglenest.store import storage
 from eaglenest.store.reader import Store, _open
 
 
@@ -35,7 +36,7 @@ def verify(store: Store) -> list[str]:
         if any(p.startswith(f"data file {path} is ") for p in problems):
             continue  # missing or truncated: already named
         try:
-            size, sha = L.sha256_file(store.fs, path)
+            size, sha = storage.sha256_file(store.fs, path)
         except FileNotFoundError:
             problems.append(f"{path}: missing")
             continue

@@ -13,8 +13,7 @@ import torch
 
 from eaglenest.contract import read_shard
 from eaglenest.extraction.ledger import Ledger, spans_to_mask
-from eaglenest.store import StoreNotFound, convert, list_versions, open_store
-from eaglenest.store import layout as L
+from eaglenest.store import StoreNotFound, convert, list_versions, open_store, storage
 from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
 LENGTHS = [7, 1, 33, 12, 64, 5, 20, 9, 40, 3]
@@ -177,7 +176,7 @@ def test_background_hashing_writer_hashes_every_write_in_order(tmp_path):
     chunks = [b"x", torch.arange(100_000, dtype=torch.int32).numpy(), b"", bytes(range(256)) * 900,
               memoryview(torch.ones(70_000, dtype=torch.bfloat16).view(torch.uint8).numpy())]
     with open(tmp_path / "f", "wb", buffering=0) as raw:
-        w = L.HashingWriter(raw, background=True)
+        w = storage.HashingWriter(raw, background=True)
         for c in chunks:
             w.write(c)
         digest = w.hexdigest()

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from eaglenest.contract import ContractError, UnknownSchemaVersion
 from eaglenest.extraction.ledger import Ledger, LedgerEntry
-from eaglenest.store import StoreCorrupt, StoreDiskFull, StoreNotFound, convert, list_versions, open_store
+from eaglenest.store import StoreCorrupt, StoreDiskFull, StoreNotFound, convert, list_versions, open_store, storage
 from eaglenest.store import layout as L
 from eaglenest.testing.fake_store import add_samples, fake_provenance, fake_shard, make_extraction
 
@@ -88,7 +88,7 @@ def test_enospc_on_rename_removes_temporary(tmp_path, monkeypatch):  # ENOSPC
     def full(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(L.os, "replace", full)
+    monkeypatch.setattr(storage.os, "replace", full)
     with pytest.raises(StoreDiskFull, match="ENOSPC") as info:
         convert(tmp_path / "ex", str(tmp_path / "store"))
     assert not info.value.retryable
@@ -148,7 +148,7 @@ def test_truncated_or_garbage_files_give_typed_errors(tmp_path):
 def test_exception_mid_upload_publishes_no_object(tmp_path, monkeypatch):
     make_extraction(tmp_path / "ex", LENGTHS)
     url = f"memory://st-{uuid.uuid4().hex}"
-    real = L.HashingWriter.write
+    real = storage.HashingWriter.write
     writers: list[int] = []
 
     def failing(self, data):
@@ -158,16 +158,16 @@ def test_exception_mid_upload_publishes_no_object(tmp_path, monkeypatch):
             raise ConnectionError("upload interrupted")
         return real(self, data)
 
-    monkeypatch.setattr(L.HashingWriter, "write", failing)
+    monkeypatch.setattr(storage.HashingWriter, "write", failing)
     with pytest.raises(ConnectionError):
         convert(tmp_path / "ex", url, target_file_bytes=15_000)
-    fs, root = L.resolve(url)
+    fs, root = storage.resolve(url)
     objects = fs.find(root)
     data = [p for p in objects if p.endswith(".arrow")]
     assert data and not [p for p in objects if "versions" in p]  # finished files only, no version
     for p in data:  # each published object is complete (its sidecar's size and sha256 hold)
         side = json.loads(fs.cat_file(p + L.SIDECAR_SUFFIX))
-        assert L.sha256_file(fs, p) == (side["bytes"], side["sha256"])
+        assert storage.sha256_file(fs, p) == (side["bytes"], side["sha256"])
     monkeypatch.undo()
     assert convert(tmp_path / "ex", url, target_file_bytes=15_000).files_reused == len(data)
     assert open_store(url).verify() == []

@@ -27,8 +27,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from eaglenest.atomic import TMP_SUFFIX
 from eaglenest.cli import app
-from eaglenest.store import LengthBucketSampler, StoreDataset, convert, open_store
+from eaglenest.store import LengthBucketSampler, StoreDataset, convert, open_store, storage
 from eaglenest.store import layout as L
 from eaglenest.testing.fake_store import fake_provenance, make_extraction
 
@@ -114,7 +115,7 @@ def test_convert_verify_info_and_train_reads_on_s3(tmp_path, bucket):
     manifest_key = f"runs/store/{L.VERSIONS_DIR}/{summary.version}/{L.MANIFEST_NAME}"
     data = [k for k in keys if k.startswith(f"runs/store/{L.DATA_DIR}/") and k.endswith(L.DATA_SUFFIX)]
     assert manifest_key in keys and len(data) == summary.files_total
-    assert not [k for k in keys if k.endswith(L.TMP_SUFFIX) or ".tmp" in k]  # transactions, no temporaries
+    assert not [k for k in keys if k.endswith(TMP_SUFFIX) or ".tmp" in k]  # transactions, no temporaries
 
     verified = CliRunner().invoke(app, ["store", "verify", url])  # reads every byte back over HTTP
     assert verified.exit_code == 0 and verified.stdout.startswith(f"OK {url} version {summary.version}"), (
@@ -155,8 +156,8 @@ def test_interrupted_multipart_upload_publishes_no_version(tmp_path, bucket, mon
     make_extraction(tmp_path / "ex", [400] * 8, provenance=prov)
     url = f"s3://{name}/store"
     opts = {"default_block_size": 5 << 20}  # multipart from the first 5 MiB (the S3 minimum part size)
-    real = L.HashingWriter.write
-    writers: list[L.HashingWriter] = []  # the objects themselves: an id() may be reused once one is freed
+    real = storage.HashingWriter.write
+    writers: list[storage.HashingWriter] = []  # the objects themselves: an id() may be reused once one is freed
 
     def failing(self, data):
         if not any(w is self for w in writers):
@@ -165,7 +166,7 @@ def test_interrupted_multipart_upload_publishes_no_version(tmp_path, bucket, mon
             raise ConnectionError("upload interrupted")  # mid 2nd data file (after file 1 and its sidecar)
         return real(self, data)
 
-    monkeypatch.setattr(L.HashingWriter, "write", failing)
+    monkeypatch.setattr(storage.HashingWriter, "write", failing)
     with pytest.raises(ConnectionError):
         convert(tmp_path / "ex", url, target_file_bytes=6 << 20, storage_options=opts)
     assert len(writers) == 3  # the failure happened in the second data file
