@@ -62,7 +62,7 @@ from eaglenest.drafter.train_state import (
     starting_drafter,
     store_fingerprint,
 )
-from eaglenest.drafter.ttt import step_counts, target_rows, ttt_forward
+from eaglenest.drafter.ttt import TTTObjective, step_counts, target_rows
 from eaglenest.drafter.vocab import DraftVocab
 from eaglenest.store import split_indices
 from eaglenest.store.extraction import open_samples as open_store
@@ -71,19 +71,6 @@ __all__ = ["HELDOUT", "NonFiniteLoss", "ResumeRefused", "TrainResult", "Trainer"
            "train"]
 
 log = logging.getLogger(__name__)
-
-
-class TTTObjective(nn.Module):
-    """The drafter behind one forward, so DDP sees every parameter use in ``forward``."""
-
-    def __init__(self, drafter: Eagle3Drafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, batch, rows, k: int, scales: torch.Tensor):
-        """``scales`` [k] fp32 on the device: the weight of each step's loss sum."""
-        results = ttt_forward(self.drafter, batch, rows, k)
-        return (results.loss_sum * scales).sum(), results
 
 
 def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,

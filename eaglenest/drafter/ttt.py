@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from eaglenest.drafter.kl_loss import draft_kl
 from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
@@ -276,6 +277,20 @@ def ttt_forward(model: Eagle3Drafter, batch: Batch, rows: TargetRows, k: int) ->
         match = torch.zeros(k * (b * t + 1), dtype=torch.bool, device=outs.device).index_copy_(0, u.dst, hit.view(-1))
         match = match.view(k, b * t + 1)[:, : b * t].view(k, b, t)
     return TTTResult(loss_sum=loss_sum, correct=hit.sum(-1), kept=keep.sum(-1), counted=u.counted, match=match)
+
+
+class TTTObjective(nn.Module):
+    """The drafter behind one forward returning the step's weighted loss, so DDP sees every parameter use in
+    ``forward``."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: Batch, rows: TargetRows, k: int, scales: torch.Tensor) -> tuple[torch.Tensor, TTTResult]:
+        """``scales`` [k] fp32 on the device: the weight of each step's loss sum."""
+        results = ttt_forward(self.drafter, batch, rows, k)
+        return (results.loss_sum * scales).sum(), results
 
 
 def accepted_drafts(results: TTTResult, depth: int) -> torch.Tensor:

@@ -120,8 +120,8 @@ def test_resume_with_changed_config_is_refused_naming_the_field(tmp_path, tiny_m
 
 
 def test_nan_loss_stops_before_the_optimizer_step(tmp_path, tiny_model_dir, drafter_store, monkeypatch):
-    import eaglenest.drafter.train as train_mod
-    real_forward, calls, steps = train_mod.ttt_forward, [], []
+    import eaglenest.drafter.ttt as ttt_mod
+    real_forward, calls, steps = ttt_mod.ttt_forward, [], []
 
     def nan_on_third_micro_batch(model, batch, rows, k):
         results = real_forward(model, batch, rows, k)
@@ -137,7 +137,7 @@ def test_nan_loss_stops_before_the_optimizer_step(tmp_path, tiny_model_dir, draf
         steps.append(1)
         return real_step(self, *a, **kw)
 
-    monkeypatch.setattr(train_mod, "ttt_forward", nan_on_third_micro_batch)
+    monkeypatch.setattr(ttt_mod, "ttt_forward", nan_on_third_micro_batch)
     monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
     cfg = config(tmp_path, tiny_model_dir, max_steps=6, save_every=2, grad_accum=1)
     with pytest.raises(NonFiniteLoss, match=r"step 3: non-finite loss.*before the optimizer step"):
@@ -145,7 +145,7 @@ def test_nan_loss_stops_before_the_optimizer_step(tmp_path, tiny_model_dir, draf
     assert len(steps) == 2  # steps 1 and 2 happened, step 3 did not
     latest = CheckpointManager(cfg.out_dir).load()
     assert latest.step == 2 and all(torch.isfinite(v).all() for v in latest.model.values() if v.is_floating_point())
-    monkeypatch.setattr(train_mod, "ttt_forward", real_forward)
+    monkeypatch.setattr(ttt_mod, "ttt_forward", real_forward)
     assert train(cfg, store=drafter_store).step == 6  # the run resumes from the last good checkpoint
 
 
