@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from eaglenest.drafter.model import Eagle3Drafter, apply_rope, rope_cos_sin
+from eaglenest.drafter.layers import apply_rope, rope_cos_sin
+from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.speculative.fastpath import one_query_attention
 from eaglenest.speculative.kernels import decode_attention, rms_norm_out, rope_, row_argmax
 from eaglenest.speculative.onednn import OneDNN, linear, phase, prepack
@@ -125,7 +126,7 @@ class FastDrafter:
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Neox RoPE of q and k heads ``x`` [S, heads, hd] at the positions of ``cos``/``sin`` [S, hd] (fp32): in
-        place by the kernel in bf16, else by :func:`~eaglenest.drafter.model.apply_rope` into a new tensor."""
+        place by the kernel in bf16, else by :func:`~eaglenest.drafter.layers.apply_rope` into a new tensor."""
         if self._kernels:
             rope_()(x, cos, sin, False)
             return x

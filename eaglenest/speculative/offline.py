@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
+from eaglenest.drafter.layers import repeat_kv, rope_cos_sin
+from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.drafter.ttt import answer_turns, cycle_walk
 from eaglenest.speculative.draft import load_exported_drafter, target_embedding, target_lm_head
 from eaglenest.speculative.tree import SpecShape, accept

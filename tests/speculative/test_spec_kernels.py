@@ -268,7 +268,7 @@ def test_bf16_speculation_is_lossless_on_the_kernels(skinny, tiny_model_dir, spe
 
 def test_small_ops_match_their_torch_chains(skinny):
     """rms_norm_out, rope_ and row_argmax: what the drafter's chains of torch ops compute (argmax: exactly)."""
-    from eaglenest.drafter.model import rope_cos_sin
+    from eaglenest.drafter.layers import rope_cos_sin
 
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(3, 1152, generator=g).to(torch.bfloat16), torch.randn(1152, generator=g)
