@@ -21,7 +21,8 @@ from prefect.cache_policies import NO_CACHE
 
 from eaglenest.engines.pool import LaunchError, end_recorded_servers
 from eaglenest.speculative import bench
-from eaglenest.speculative.live import BenchError, ServerResult
+from eaglenest.speculative.live import ServerResult
+from eaglenest.speculative.loadgen import BenchError
 from eaglenest.speculative.report import BenchReport, GateResult, markdown_table, require_gate, write_report
 
 

@@ -67,7 +67,7 @@ def fit_drafter(runner, draft_dir: Path, sequences: list[list[int]], *, steps: i
 
 def level(c, tok_s, accept=None, errors=0):
     """A synthetic level result."""
-    from eaglenest.speculative.live import LevelResult
+    from eaglenest.speculative.loadgen import LevelResult
 
     return LevelResult(concurrency=c, requests=8, errors=errors, duration_s=1.0, output_tokens=int(tok_s),
                        output_tok_s=tok_s, requests_per_s=8.0, latency_mean_s=0.5, latency_p50_s=0.5,

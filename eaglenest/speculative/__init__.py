@@ -1,7 +1,7 @@
 """Speculative decoding with an EAGLE-3 drafter: the embedded decoder and the benchmarks that gate a drafter.
 
 Modules (imports point downwards: engines, drafter -> draft, kernels -> onednn -> fastpath -> target, kernels ->
-quant -> tree -> drafting -> decoder -> serve -> live -> report -> bench):
+quant -> tree -> drafting -> decoder -> serve -> live -> report -> bench; loadgen -> live, report):
 
 - :mod:`~eaglenest.speculative.draft`      an exported SGLang-format drafter folder as an
   :class:`eaglenest.drafter.model.Eagle3Drafter` (target's embedding), compatibility checks.
@@ -24,8 +24,8 @@ quant -> tree -> drafting -> decoder -> serve -> live -> report -> bench):
 - :mod:`~eaglenest.speculative.offline`    teacher-forced accept length from a store, and calibration.
 - :mod:`~eaglenest.speculative.serve`      the embedded server as a benchmark target (SGLang's flags and
   meta_info), :class:`SpecConfig`.
-- :mod:`~eaglenest.speculative.live`       load generator (httpx, fixed concurrency), server launch, SGLang
-  command line.
+- :mod:`~eaglenest.speculative.loadgen`    load generator (httpx, fixed concurrency; levels, alternating rounds).
+- :mod:`~eaglenest.speculative.live`       the benchmarked servers (launch, warmup, stop), SGLang command line.
 - :mod:`~eaglenest.speculative.prompts`    prompt sets shipped in PyPI packages (MT-bench, HumanEval, ShareGPT).
 - :mod:`~eaglenest.speculative.report`     report files, plots and the deployment gate.
 - :mod:`~eaglenest.speculative.bench`      :class:`BenchConfig` (the flow's parameters) and the steps.

@@ -1,29 +1,22 @@
-"""Live benchmark: drive a server's ``/generate`` at fixed concurrency and measure what users feel.
+"""Live benchmark: the servers a benchmark measures, from launch to stop, and the SGLang command line.
 
-Owns the load generator and the two-server grid; the same code drives SGLang and the embedded server:
+Owns the servers' side of the grid; :mod:`eaglenest.speculative.loadgen` sends the requests and summarizes
+them. The same code drives SGLang and the embedded server:
 
-- :func:`drive_level` keeps exactly ``concurrency`` requests in flight (closed loop, httpx, async) over
-  a prompt set of token ids, greedy, and records per request the latency, completion tokens and
-  SGLang's ``meta_info`` spec fields. A level's output tok/s is all completion tokens over the
-  level's wall time (first send to last answer).
-- Accept length comes from ``meta_info``: ``(spec_num_correct_drafts + spec_verify_ct) /
-  spec_verify_ct`` summed over requests (bonus token counted; SGLang's own per-request
-  ``spec_accept_length`` = completion_tokens / spec_verify_ct also counts the prefill's first token)
-  and, as a cross-check, ``/get_server_info`` ``internal_states[0].avg_spec_accept_length``.
 - :func:`bench_server` launches one server (:class:`~eaglenest.engines.pool.ServerProcess`, its own
   process group, ready after a real request), warms it up, runs every level, and always stops it;
   the group is recorded (:class:`~eaglenest.engines.pool.ServerRecords`) so a crashed flow's hook can end it.
 - :func:`bench_servers_together` keeps both servers up and runs each level in alternating rounds
-  (:func:`run_rounds`), so the machine's drift during a run falls on both sides alike.
+  (:func:`~eaglenest.speculative.loadgen.run_rounds`), so the machine's drift during a run falls on both
+  sides alike.
+- A level's accept length comes from its own requests' ``meta_info`` (see the load generator); as a
+  cross-check, :class:`ServerResult` keeps ``/get_server_info`` ``internal_states[0].avg_spec_accept_length``.
 - :func:`sglang_command` builds a plain ``python -m sglang.launch_server`` command (CUDA graphs on
   unless disabled; EAGLE3 flags from :class:`~eaglenest.speculative.serve.SpecConfig`).
-
-Invariant: requests carry ``nocapture:`` rids, so a capturing server never writes shards for them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 import time
@@ -34,150 +27,10 @@ from typing import Any
 
 import httpx
 
-from eaglenest.contract import NO_CAPTURE_RID_PREFIX
 from eaglenest.engines.pool import ServerProcess, ServerRecords, launched, probe_ready
 from eaglenest.engines.sglang_flags import sglang_flags
-from eaglenest.extraction.aio import run_sync
+from eaglenest.speculative.loadgen import LevelResult, run_levels, run_rounds
 from eaglenest.speculative.serve import SGLANG_BEST, SpecConfig
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not measure (server down, every request failed). Retryable by relaunching."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RequestRecord:
-    index: int
-    ok: bool
-    latency_s: float
-    prompt_tokens: int
-    completion_tokens: int = 0
-    spec_verify_ct: int = 0
-    spec_correct_drafts: int | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LevelResult:
-    concurrency: int
-    requests: int
-    errors: int
-    duration_s: float
-    output_tokens: int
-    output_tok_s: float
-    requests_per_s: float
-    latency_mean_s: float
-    latency_p50_s: float
-    latency_p90_s: float
-    latency_p99_s: float
-    accept_length: float | None
-    """Tokens per verify forward, bonus counted; None when the server does not speculate."""
-    first_error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> LevelResult:
-        return cls(**d)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summarize_level(concurrency: int, records: Sequence[RequestRecord], duration_s: float) -> LevelResult:
-    ok = [r for r in records if r.ok]
-    lat = [r.latency_s for r in ok]
-    tokens = sum(r.completion_tokens for r in ok)
-    verify = sum(r.spec_verify_ct for r in ok)
-    accept = None
-    if verify:
-        if all(r.spec_correct_drafts is not None for r in ok if r.spec_verify_ct):
-            accept = (sum(r.spec_correct_drafts or 0 for r in ok) + verify) / verify
-        else:  # older servers: completion / verify (counts the prefill's token too)
-            accept = sum(r.completion_tokens for r in ok if r.spec_verify_ct) / verify
-    errs = [r.error for r in records if not r.ok]
-    return LevelResult(
-        concurrency=concurrency, requests=len(records), errors=len(errs), duration_s=duration_s,
-        output_tokens=tokens, output_tok_s=tokens / duration_s if duration_s > 0 else 0.0,
-        requests_per_s=len(ok) / duration_s if duration_s > 0 else 0.0,
-        latency_mean_s=sum(lat) / len(lat) if lat else float("nan"), latency_p50_s=percentile(lat, 50),
-        latency_p90_s=percentile(lat, 90), latency_p99_s=percentile(lat, 99), accept_length=accept,
-        first_error=errs[0] if errs else None,
-    )
-
-
-async def _one(client: httpx.AsyncClient, url: str, index: int, ids: list[int], params: dict[str, Any],
-               rid: str, clock: Callable[[], float]) -> RequestRecord:
-    t0 = clock()
-    try:
-        r = await client.post(f"{url}/generate", json={"input_ids": ids, "rid": rid, "sampling_params": params})
-    except httpx.HTTPError as e:
-        return RequestRecord(index=index, ok=False, latency_s=clock() - t0, prompt_tokens=len(ids),
-                             error=f"{type(e).__name__}: {e}")
-    latency = clock() - t0
-    if r.status_code != 200:
-        return RequestRecord(index=index, ok=False, latency_s=latency, prompt_tokens=len(ids),
-                             error=f"HTTP {r.status_code}: {r.text[:300]}")
-    meta = (r.json() or {}).get("meta_info") or {}
-    return RequestRecord(index=index, ok=True, latency_s=latency, prompt_tokens=len(ids),
-                         completion_tokens=int(meta.get("completion_tokens", 0)),
-                         spec_verify_ct=int(meta.get("spec_verify_ct", 0) or 0),
-                         spec_correct_drafts=meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts")))
-
-
-async def drive_level(
-    url: str, prompts: Sequence[list[int]], *, concurrency: int, num_requests: int, max_new_tokens: int,
-    ignore_eos: bool = False, timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
-    clock: Callable[[], float] = time.perf_counter, tag: str = "bench",
-) -> LevelResult:
-    """``num_requests`` greedy requests (prompts reused round-robin), ``concurrency`` in flight at all times."""
-    records, duration = await _drive(url, prompts, concurrency=concurrency, num_requests=num_requests,
-                                     max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
-                                     transport=transport, clock=clock, tag=tag)
-    return summarize_level(concurrency, records, duration)
-
-
-async def _drive(
-    url: str, prompts: Sequence[list[int]], *, concurrency: int, num_requests: int, max_new_tokens: int,
-    ignore_eos: bool, timeout_s: float, transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
-    tag: str,
-) -> tuple[list[RequestRecord], float]:
-    """The records (by index) and wall time of one closed-loop level."""
-    if concurrency < 1 or num_requests < 1 or not prompts:
-        raise ValueError(f"need concurrency >= 1, num_requests >= 1 and prompts (got {concurrency}, "
-                         f"{num_requests}, {len(prompts)})")
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(num_requests):
-        queue.put_nowait(i)
-    records: list[RequestRecord] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, transport=transport, limits=limits) as client:
-
-        async def worker() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
-                rid = f"{NO_CAPTURE_RID_PREFIX}{tag}-c{concurrency}-{i}-{time.time_ns()}"
-                records.append(await _one(client, url, i, list(prompts[i % len(prompts)]), params, rid, clock))
-
-        t0 = clock()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
-        duration = clock() - t0
-    return sorted(records, key=lambda r: r.index), duration
-
-
-def requests_for(concurrency: int, num_prompts: int, *, min_waves: int = 2) -> int:
-    """Enough requests that the level spends most of its time at full concurrency."""
-    return max(num_prompts, min_waves * concurrency)
 
 
 def server_info(url: str, *, transport: httpx.BaseTransport | None = None) -> dict[str, Any]:
@@ -217,25 +70,6 @@ class ServerResult:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ServerResult:
         return cls(**{**d, "levels": [LevelResult.from_json(x) for x in d["levels"]]})
-
-
-def run_levels(url: str, prompts: Sequence[list[int]], concurrencies: Sequence[int], *, max_new_tokens: int,
-               ignore_eos: bool = False, requests_per_level: int | None = None, timeout_s: float = 600.0,
-               tag: str = "bench", transport: httpx.AsyncBaseTransport | None = None,
-               progress: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
-    levels = []
-    for c in concurrencies:
-        n = requests_per_level or requests_for(c, len(prompts))
-        # on a thread of its own (extraction/aio.py says why): a SIGTERM must end the bench, not one request
-        lv = run_sync(lambda c=c, n=n: drive_level(
-            url, prompts, concurrency=c, num_requests=n, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-            timeout_s=timeout_s, transport=transport, tag=tag))
-        if lv.errors == lv.requests:
-            raise BenchError(f"every request failed at concurrency {c} on {url}: {lv.first_error}")
-        levels.append(lv)
-        if progress:
-            progress(lv)
-    return levels
 
 
 def bench_server(
@@ -295,48 +129,6 @@ def _result(name: str, server: ServerProcess, levels: list[LevelResult], startup
     kept = {k: v for k, v in info.items() if not isinstance(v, dict | list) or k == "internal_states"}
     return ServerResult(name=name, cmd=list(server.cmd), levels=levels, server_accept_length=server_accept_length(info),
                         startup_s=startup_s, round_tok_s=round_tok_s or {}, info=kept)
-
-
-def run_rounds(
-    urls: Mapping[str, str], prompts: Sequence[list[int]], concurrencies: Sequence[int], *, rounds: int,
-    max_new_tokens: int, ignore_eos: bool = False, timeout_s: float = 600.0,
-    transport: httpx.AsyncBaseTransport | None = None, progress: Callable[[str, LevelResult], None] | None = None,
-) -> dict[str, tuple[list[LevelResult], dict[str, list[float]]]]:
-    """Every concurrency level on every server (``urls``: name -> URL), in ``rounds`` alternating rounds.
-
-    Round r sends the r-th of ``rounds`` interleaved slices of the prompts to every server, the same requests to
-    each, in reversed order every other round (an even ``rounds`` lets each server lead as often): a machine that
-    speeds up or slows down during the run then weighs on both sides alike (on the H200 the baseline of the same
-    grid, one session apart, ran 12-68% faster). A round sends ``requests_for(c, slice)`` requests, at least 2c
-    (the slice's prompts reused round-robin), so that it runs mostly at full concurrency: at high concurrency the
-    rounds send more requests in all than one plain level does. Each server's level pools the records and wall
-    times of its rounds; the rounds' own tok/s are returned beside them (name -> (levels, {concurrency: [tok/s
-    per round]}))."""
-    if rounds < 1 or rounds > len(prompts):
-        raise ValueError(f"rounds must be between 1 and the number of prompts ({len(prompts)}), got {rounds}")
-    names = list(urls)
-    out: dict[str, tuple[list[LevelResult], dict[str, list[float]]]] = {n: ([], {}) for n in names}
-    for c in concurrencies:
-        records: dict[str, list[RequestRecord]] = {n: [] for n in names}
-        wall = dict.fromkeys(names, 0.0)
-        for r in range(rounds):
-            chunk = prompts[r::rounds]
-            for name in names if r % 2 == 0 else names[::-1]:
-                recs, dur = run_sync(lambda name=name, chunk=chunk, c=c, r=r: _drive(
-                    urls[name], chunk, concurrency=c, num_requests=requests_for(c, len(chunk)),
-                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s, transport=transport,
-                    clock=time.perf_counter, tag=f"{name}-r{r}"))
-                if not any(x.ok for x in recs):
-                    raise BenchError(f"every request failed at concurrency {c} on {urls[name]}: {recs[0].error}")
-                records[name] += recs
-                wall[name] += dur
-                out[name][1].setdefault(str(c), []).append(sum(x.completion_tokens for x in recs if x.ok) / dur)
-        for name in names:
-            lv = summarize_level(c, records[name], wall[name])
-            out[name][0].append(lv)
-            if progress:
-                progress(name, lv)
-    return out
 
 
 def bench_servers_together(

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.atomic import atomic_write_bytes
-from eaglenest.speculative.live import LevelResult, ServerResult
+from eaglenest.speculative.live import ServerResult
+from eaglenest.speculative.loadgen import LevelResult
 
 
 class GateFailed(RuntimeError):

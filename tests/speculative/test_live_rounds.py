@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from eaglenest.speculative.live import run_rounds
+from eaglenest.speculative.loadgen import run_rounds
 
 
 def drifting_machine(unit_s: float = 0.002):

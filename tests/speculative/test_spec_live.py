@@ -9,15 +9,8 @@ import httpx
 import pytest
 from spec_support import level, one_thread, report
 
-from eaglenest.speculative.live import (
-    bench_server_sets,
-    drive_level,
-    percentile,
-    run_levels,
-    server_accept_length,
-    server_info,
-    sglang_command,
-)
+from eaglenest.speculative.live import bench_server_sets, server_accept_length, server_info, sglang_command
+from eaglenest.speculative.loadgen import drive_level, percentile, run_levels
 from eaglenest.speculative.report import GateFailed, gate, read_report, require_gate, write_report
 from eaglenest.speculative.serve import SpecConfig
 
@@ -164,7 +157,7 @@ class _StartedElsewhere:
 def test_one_launch_serves_every_prompt_set(spec_tiny, monkeypatch):
     from eaglenest.engines.embedded import EmbeddedEngine
     from eaglenest.engines.serving import BackgroundServer
-    from eaglenest.speculative import live
+    from eaglenest.speculative import loadgen
 
     runner, _, _, seqs, plens = spec_tiny
     prompts = [s[:n] for s, n in zip(seqs, plens, strict=True)][:4]
@@ -174,7 +167,7 @@ def test_one_launch_serves_every_prompt_set(spec_tiny, monkeypatch):
         driven.append((kwargs["tag"], kwargs["concurrency"], kwargs["num_requests"]))
         return drive_level(*args, **kwargs)
 
-    monkeypatch.setattr(live, "drive_level", recorded)
+    monkeypatch.setattr(loadgen, "drive_level", recorded)
     engine = EmbeddedEngine(runner, capture_dir=None)
     try:
         with BackgroundServer(engine) as url:

@@ -3,7 +3,7 @@ being taken by asyncio for a failed socket write (which turned into one failed r
 
 import pytest
 
-from eaglenest.speculative.live import run_levels
+from eaglenest.speculative.loadgen import run_levels
 from tests.sigterm_helpers import HANDLERS, SlowServer, sigterm_handler, sigterm_in_socket_send, slow_server  # noqa: F401
 
 
