@@ -73,6 +73,14 @@
 # relaunch ~90 s with a warm Triton cache) for ~12M tokens in all (the disk guard stops it at 4 GB free), then train
 # (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left. extraction.json's run.retry_errors now names what the
 # retried requests met (3,060 retries in 10 streaks on 2026-12-05e, all survived, their kind not recorded then).
+# 2026-12-05 (later): no machine was lent (three refused starts, 271 s of the budget, then loans paused), so the plan
+# above still stands. For the speed cell, after bench: the cycle is host-bound in SGLang 0.5.17 (three graph replays
+# and their Python setup per cycle; SGLANG_ENABLE_SPEC_V2 is gone there, the V2 worker with overlap always runs), so a
+# wider tree adds GPU work the host hides: n8 replayed offline on MT-Bench's 40 prompts gives 3.50 for 6x4x16, 3.87
+# for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first, then
+# SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
+# machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from.
+# target_temperature (grid field, default 1) sharpens the target the drafter learns (not yet tried on a GPU).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
