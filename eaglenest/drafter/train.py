@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eaglenest import contract
 from eaglenest import models as model_lib
+from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.checkpoint import CheckpointManager
 from eaglenest.drafter.config import TrainConfig
 from eaglenest.drafter.data import BatchStream, Lookahead, stage
@@ -391,7 +391,7 @@ class Trainer:
             eval_sets={k: v for k, v in (last_eval or {}).items() if k != HELDOUT}, history=self.history, note=note,
             time_split=split)
         if self.d.rank == 0:
-            contract.atomic_write_bytes(self.run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
+            atomic_write_bytes(self.run_dir / "result.json", json.dumps(result.to_dict(), indent=1).encode())
         return result
 
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglenest.drafter.kl_loss import draft_kl
-from eaglenest.drafter.model import Eagle3Drafter, repeat_kv, rope_cos_sin
+from eaglenest.drafter.layers import repeat_kv, rope_cos_sin
+from eaglenest.drafter.model import Eagle3Drafter
 
 
 @dataclass(frozen=True, slots=True)
