@@ -45,11 +45,6 @@ class TrainConfig(BaseModel):
     )
     ttt_steps: int = Field(7, ge=1, le=16, description="TTT unroll length k.")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of TTT step i is step_decay**i.")
-    target_temperature: float = Field(1.0, gt=0.0, le=1.0, description=(
-        "Temperature of the target distribution the drafter learns (its logits over the draft vocabulary divided "
-        "by it): 1 is plain KL to the target; below 1 sharpens it towards the target's greedy token, which is "
-        "all a greedy decode accepts, so a drafter of limited capacity spends less of it on the tail (toward 0 the "
-        "loss becomes cross-entropy on the greedy token). Evaluation always scores against the target as it is."))
     epochs: float = Field(1.0, gt=0.0, description="Passes over the training split (sets the schedule length).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     max_tokens: int = Field(4096, ge=16, description="Padded tokens per micro-batch (rows x longest row).")

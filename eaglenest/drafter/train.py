@@ -252,8 +252,7 @@ class Trainer:
             sync = a == len(batches) - 1 or d.world == 1
             with contextlib.nullcontext() if sync else self.objective.no_sync():
                 with self.autocast():
-                    rows = target_rows(batch, self.head_full, self.draft_ids, self.drafter.t2d,
-                                       temperature=cfg.target_temperature)
+                    rows = target_rows(batch, self.head_full, self.draft_ids, self.drafter.t2d)
                     loss, results = self.objective(batch, rows, k, scales)
                 loss.backward()
             done = loss.detach().double()

@@ -175,9 +175,8 @@ def step_counts(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 @torch.no_grad()
 def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
-                *, chunk: int = 2048, temperature: float = 1.0) -> TargetRows:
-    """Target log-probs over the draft vocabulary and full argmax at every loss row; ``temperature`` < 1
-    sharpens the distribution (the argmax does not change)."""
+                *, chunk: int = 2048) -> TargetRows:
+    """Target log-probs over the draft vocabulary and full argmax at every loss row."""
     plan = batch.row_plan()
     b, t = batch.loss_mask.shape
     n, dev = plan.num_rows, batch.loss_mask.device
@@ -190,8 +189,7 @@ def target_rows(batch: Batch, head_full: torch.Tensor, draft_ids: torch.Tensor, 
     for s in range(0, n, chunk):
         h = rows[s : s + chunk]
         argmaxes.append((h @ head_full.T).max(-1).indices)  # [m]  (max() is ~5x faster than argmax in bf16)
-        logits = (h @ head_draft.T).float()
-        logp = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # [m, Vd]
+        logp = F.log_softmax((h @ head_draft.T).float(), dim=-1)  # [m, Vd]
         p = logp.exp()
         ps.append(p)
         negents.append((p * logp).sum(-1))

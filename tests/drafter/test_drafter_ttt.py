@@ -68,22 +68,6 @@ def test_step_counts_and_target_rows():
     torch.testing.assert_close(rows.neg_entropy, (logp.exp() * logp).sum(-1))
 
 
-def test_target_temperature_sharpens_the_draft_vocabulary_distribution_and_keeps_the_argmax():
-    model = tiny_drafter(seed=2)
-    batch = make_batch(model, [10, 6])
-    head = torch.randn(model.config.vocab_size, model.config.hidden_size)
-    draft_ids = model.to_target_ids(torch.arange(model.config.draft_vocab_size))
-    plain = target_rows(batch, head, draft_ids, model.t2d)
-    sharp = target_rows(batch, head, draft_ids, model.t2d, temperature=0.5)
-    logits = (batch.final_hidden[batch.loss_mask] @ head.T)[:, draft_ids]
-    logp = torch.log_softmax(logits / 0.5, -1)
-    torch.testing.assert_close(sharp.p, logp.exp())
-    torch.testing.assert_close(sharp.neg_entropy, (logp.exp() * logp).sum(-1))
-    assert torch.equal(sharp.argmax, plain.argmax) and torch.equal(sharp.in_vocab, plain.in_vocab)
-    assert bool((sharp.p.max(-1).values >= plain.p.max(-1).values - 1e-6).all())  # more mass on each row's top token
-    assert bool((sharp.neg_entropy > plain.neg_entropy).all())  # lower entropy
-
-
 def test_accept_length_counts_leading_matches_plus_bonus():
     # one row of 8 tokens, loss rows 1..7 -> anchors 0..6; matches per step chosen by hand
     row_of = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]])
