@@ -80,7 +80,8 @@
 # for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first, then
 # SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
 # machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from.
-# target_temperature (grid field, default 1) sharpens the target the drafter learns (not yet tried on a GPU).
+# A sharpened target (KL to the target at temperature 0.5 or 0.25, for greedy serving) lowered accept length in a CPU
+# proxy (n8's head fine-tuned on frozen features, results/2026-12-05f-cpu): plain KL stays the objective.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
