@@ -302,10 +302,12 @@ open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)" || { echo "no eval pro
   cp /tmp/ext/regen/report.json "$R/extraction.json" 2>/dev/null || true
   cp /tmp/ext/regen/self-prompts.json "$R/" 2>/dev/null || true  # (SELF_COUNT: what the target wrote)
   # SGLang's own view of the extraction: its batch lines (running requests, tokens, throughput per window), its
-  # arguments and CUDA-graph capture, to tell a starved decode batch from a slow one
+  # arguments and CUDA-graph capture, to tell a starved decode batch from a slow one; and the launch's milestones (on
+  # 2026-12-05e the first server's decode-graph capture took 59.5 s of a 116-s launch, the second's 6.1 s)
   for f in /tmp/ext/regen/logs/server-*.log; do
     [ -f "$f" ] || continue
-    { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph" "$f" || true; } \
+    { grep -E "Decode batch|Prefill batch|server_args=|CUDA graph|Init torch|Load weight|KV Cache|Memory pool|fired up" \
+        "$f" || true; } \
       | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
   done
   save_kernels
