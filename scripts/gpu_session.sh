@@ -81,7 +81,8 @@
 # SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
 # machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from.
 # A sharpened target (KL to the target at temperature 0.5 or 0.25, for greedy serving) lowered accept length in a CPU
-# proxy (n8's head fine-tuned on frozen features, results/2026-12-05f-cpu): plain KL stays the objective.
+# proxy (n8's head fine-tuned on frozen features, results/2026-12-05f-cpu), as did the LK losses (KL + TV, -log
+# acceptance) a little: plain KL stays the objective.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
