@@ -92,7 +92,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated), EPOCHS (auto: epochs, in tenths, that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
@@ -509,11 +509,11 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
-    # SGLANG_ARGS: extra server flags for both servers (e.g. "--enable-torch-compile --torch-compile-max-bs 1"); a
-    # baseline is reused only by a bench with the same flags (SGLANG_* environment variables reach the servers as is)
-    sg=(); for a in ${SGLANG_ARGS:-}; do sg+=("--sglang-arg=$a"); done
+    # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"); a baseline is
+    # reused only by a bench with the same flags (SGLANG_* environment variables reach the servers as they are)
+    sg=(); for a in ${SGL_EXTRA:-}; do sg+=("--sglang-arg=$a"); done
     base=()
-    if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "${SGLANG_ARGS:-}" ]; then
+    if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "${SGL_EXTRA:-}" ]; then
       base=(--baseline-json "$W/server_baseline.json")
     fi
     # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
@@ -525,7 +525,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
     if [ "${ROUNDS:-1}" = 1 ] && cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
-      printf '%s' "${SGLANG_ARGS:-}" > "$W/server_baseline.args"
+      printf '%s' "${SGL_EXTRA:-}" > "$W/server_baseline.args"
     fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
