@@ -79,7 +79,8 @@
 # wider tree adds GPU work the host hides: n8 replayed offline on MT-Bench's 40 prompts gives 3.50 for 6x4x16, 3.87
 # for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first, then
 # SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
-# machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from.
+# machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from;
+# setup's survivor.txt whether a process outlives its call (then data call 2 could keep call 1's servers).
 # A sharpened target (KL to the target at temperature 0.5 or 0.25, for greedy serving) lowered accept length in a CPU
 # proxy (n8's head fine-tuned on frozen features, results/2026-12-05f-cpu), as did the LK losses (KL + TV, -log
 # acceptance) a little: plain KL stays the objective.
@@ -208,6 +209,13 @@ setup)
   restore_kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$R/gpu.txt"
   machine_state "$R/machine-setup.txt"
+  # does a process outlive its call? (if so, a second data call could reuse the first one's servers: ~90 s of launch)
+  if [ -f /tmp/survivor.pid ] && [ "$(awk '{print $3}' "/proc/$(cat /tmp/survivor.pid)/stat" 2>/dev/null)" = S ]; then
+    echo "pid $(cat /tmp/survivor.pid), started by an earlier call, is still alive" | tee "$R/survivor.txt"
+  else
+    [ ! -f /tmp/survivor.pid ] || echo "pid $(cat /tmp/survivor.pid) of an earlier call is gone" | tee "$R/survivor.txt"
+    setsid nohup sleep 1700 > /dev/null 2>&1 < /dev/null & echo $! > /tmp/survivor.pid
+  fi
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
   ;;
 data)
