@@ -77,7 +77,8 @@
 # above still stands. For the speed cell, after bench: the cycle is host-bound in SGLang 0.5.17 (three graph replays
 # and their Python setup per cycle; SGLANG_ENABLE_SPEC_V2 is gone there, the V2 worker with overlap always runs), so a
 # wider tree adds GPU work the host hides: n8 replayed offline on MT-Bench's 40 prompts gives 3.50 for 6x4x16, 3.87
-# for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first, then
+# for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first (never
+# served yet: if that server does not start, STEPS=8 TOPK=4 DRAFT_TOKENS=32), then
 # SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
 # machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from;
 # setup's survivor.txt whether a process outlives its call (then data call 2 could keep call 1's servers).
