@@ -73,18 +73,17 @@
 # relaunch ~90 s with a warm Triton cache) for ~12M tokens in all (the disk guard stops it at 4 GB free), then train
 # (TRAIN_MINUTES=6.5), bench; the tree only if 150 s are left. extraction.json's run.retry_errors now names what the
 # retried requests met (3,060 retries in 10 streaks on 2026-12-05e, all survived, their kind not recorded then).
-# 2026-12-05 (later): no machine was lent (three refused starts, 271 s of the budget, then loans paused), so the plan
-# above still stands. For the speed cell, after bench: the cycle is host-bound in SGLang 0.5.17 (three graph replays
-# and their Python setup per cycle; SGLANG_ENABLE_SPEC_V2 is gone there, the V2 worker with overlap always runs), so a
-# wider tree adds GPU work the host hides: n8 replayed offline on MT-Bench's 40 prompts gives 3.50 for 6x4x16, 3.87
-# for 8x4x32, 4.21 for 8x8x48 (results/2026-12-05f-cpu). Bench STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 first (never
-# served yet: if that server does not start, STEPS=8 TOPK=4 DRAFT_TOKENS=32), then
-# SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 with the same tree (the setup of verify and draft-extend on a side stream);
-# machine-bench.txt (CPU model, load, clocks, GPU processes) says which kind of machine the numbers came from;
-# setup's survivor.txt whether a process outlives its call (then data call 2 could keep call 1's servers).
-# A sharpened target (KL to the target at temperature 0.5 or 0.25, for greedy serving) lowered accept length in a CPU
-# proxy (n8's head fine-tuned on frozen features, results/2026-12-05f-cpu), as did the LK losses (KL + TV, -log
-# acceptance) a little: plain KL stays the objective.
+# n9 (results/2026-12-05f-h100, H100, 1,694 s with 271 lost to refused starts): setup x3, ONE data call (SELF_COUNT=14000
+# SELF_SEED=10 STARTER_SET="kinds code creative" EXTRACT_S=400 in 540 s: launch 95 s, prompts 36 s, 255 s of stream,
+# 20,140 samples, 9.4M tokens, 43 GB; 4,420 retries, all 'connection ReadError'), train (TRAIN_MINUTES=6: 1,505 steps,
+# 47.1M tokens at 192K tok/s in 245 s), bench, then trees. Live at steps 3 n9 = n8 on MT-Bench (2.45) and better on
+# HumanEval (2.95) and ShareGPT (2.92). Speed: STEPS=8 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench accepts 4.68 and
+# runs at 1.44-1.45x (6x8x32 1.34x, 10x8x64 1.35x); SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 crashed that server (CUDA
+# illegal memory access). Found: a process started by one call is alive in the next (survivor.txt), so a later data
+# call could keep the first one's servers; the first server of a machine spends ~45 s more in its decode-graph capture
+# (49.3 s; the second 4.5 s) although the Triton cache was restored. A sharpened target and the LK losses did not help
+# in a CPU proxy (results/2026-12-05f-cpu): plain KL stays. MT-Bench (2.45 live) is the cell still open: n8 -> n9 moved
+# its offline side (2.38 -> 2.47) but not live.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
