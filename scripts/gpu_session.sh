@@ -114,8 +114,9 @@ trap 'cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "
 # shellcheck disable=SC1091
 source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
-SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch)
-for a in ${SGL_EXTRA:-}; do SGL+=("--sglang-arg=$a"); done  # SGL_EXTRA: more SGLang flags, space-separated
+SGL_MORE=(); for a in ${SGL_EXTRA:-}; do SGL_MORE+=("--sglang-arg=$a"); done  # SGL_EXTRA: more SGLang flags, spaced
+SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch
+     "${SGL_MORE[@]}")
 MODEL=/tmp/smol/model
 NUM_PROMPTS=${NUM_PROMPTS:-40}  # prompts per set: decoded live by bench, the same ones captured for the offline side
 case "$NUM_PROMPTS" in ''|*[!0-9]*) echo "NUM_PROMPTS must be a whole number, got '$NUM_PROMPTS'" >&2; exit 2 ;; esac
@@ -517,9 +518,9 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
-    # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"); a baseline is
-    # reused only by a bench with the same flags (SGLANG_* environment variables reach the servers as they are)
-    sg=(); for a in ${SGL_EXTRA:-}; do sg+=("--sglang-arg=$a"); done
+    # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"; the grid sets
+    # the attention and sampling backends itself); a baseline is reused only by a bench with the same flags (SGLANG_*
+    # environment variables reach the servers as they are)
     base=()
     if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "${SGL_EXTRA:-}" ]; then
       base=(--baseline-json "$W/server_baseline.json")
@@ -529,7 +530,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     mkdir -p "$R/grid-$name"
     run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
-      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${sg[@]}" \
+      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
     if [ "${ROUNDS:-1}" = 1 ] && cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
