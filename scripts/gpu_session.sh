@@ -184,7 +184,7 @@ save_kernels() {  # never fails the step either
 machine_state() {  # $1 a file: what the host and the GPU are doing (EAGLE3's cycle cost at 1 request is host-bound and
   # has moved 1.5x between machines: 3.1 ms on 2026-12-03e, 4.3 ms on 2026-12-05e, same flags and drafter shape)
   { date -u; lscpu | grep -E 'Model name|^CPU\(s\)|MHz' || true; cat /proc/loadavg
-    ps -eo pid,pcpu,rss,etimes,comm --sort=-pcpu | head -12
+    ps -eo pid,pcpu,rss,etimes,comm --sort=-pcpu | head -12 || true
     nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,memory.used \
       --format=csv || true
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv || true
