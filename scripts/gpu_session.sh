@@ -84,6 +84,17 @@
 # (49.3 s; the second 4.5 s) although the Triton cache was restored. A sharpened target and the LK losses did not help
 # in a CPU proxy (results/2026-12-05f-cpu): plain KL stays. MT-Bench (2.45 live) is the cell still open: n8 -> n9 moved
 # its offline side (2.38 -> 2.47) but not live.
+# n10 (results/2026-12-05g-h100, H100 after 603 s of refused starts: 1,186 s left): setup x3, data (SELF_COUNT=20000
+# SELF_SEED=11 STARTER_SET="kinds creative creative" EXTRACT_S=380 in 530 s: launch 120 s, 20K prompts 57 s, 211 s of
+# stream, 12,377 samples, 6.4M tokens, all self-prompted), train (EPOCHS=6 TRAIN_MINUTES=4.5: 1,206 steps at 181K tok/s
+# in 209 s), bench, the 8x8x48 tree, n9 at steps 3 beside the same baseline (DRAFTERS=/tmp/init-drafter/n9: a train
+# call's INIT_FROM drafter is servable as it is). n10 = n9 within noise (MT-Bench 2.47 / 2.49 against n9's 2.45 / 2.46
+# on that machine; offline on one capture 2.465 both): each continuation's warmup to lr 1e-3 knocks the eval sets down
+# (n10's MT-Bench 2.34 at step 200) and the decay climbs back to where the last drafter ended, while six epochs
+# memorize the new samples (training loss 1.19 -> 0.54). The average of n9's and n10's weights beats both at steps 3
+# offline (results/2026-12-05g-cpu). Next: ONE train call with two configs on the same new data (lr 1e-3 as before and 3e-4),
+# fewer epochs, then bench both; SGL_EXTRA flags of speculation alone (--speculative-*, e.g. "--speculative-attention-
+# mode decode" for the tree) keep the cached baseline.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -124,6 +135,16 @@ case "$NUM_PROMPTS" in ''|*[!0-9]*) echo "NUM_PROMPTS must be a whole number, go
 STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, trained the same within noise), or
 # `extraction`: no store, training reads the extraction folder in place (all the disk goes to shards: ~13M tokens)
 TRAIN_DATA=/tmp/store-$STORE; [ "$STORE" != extraction ] || TRAIN_DATA=/tmp/ext/regen
+
+baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their values): what a baseline server runs with
+  local out=() skip=0 a
+  for a in ${SGL_EXTRA:-}; do
+    if [ "$skip" = 1 ] && [ "${a#--}" = "$a" ]; then skip=0; continue; fi
+    skip=0
+    case "$a" in --speculative-*=*) ;; --speculative-*) skip=1 ;; *) out+=("$a") ;; esac
+  done
+  printf '%s' "${out[*]}"
+}
 
 run() {  # log the exact command line, then run it
   echo "$(date -u +%FT%TZ) $*" | tee -a "$W/commands.txt" >&2
@@ -519,10 +540,11 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     first=0
     draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder
     # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"; the grid sets
-    # the attention and sampling backends itself); a baseline is reused only by a bench with the same flags (SGLANG_*
-    # environment variables reach the servers as they are)
+    # the attention and sampling backends itself); a baseline is reused only by a bench with the same flags, those
+    # of speculation (--speculative-*, e.g. "--speculative-attention-mode decode") aside: the baseline runs none
+    # (SGLANG_* environment variables reach the servers as they are)
     base=()
-    if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "${SGL_EXTRA:-}" ]; then
+    if [ -f "$W/server_baseline.json" ] && [ "$(cat "$W/server_baseline.args" 2>/dev/null)" = "$(baseline_flags)" ]; then
       base=(--baseline-json "$W/server_baseline.json")
     fi
     # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
@@ -534,7 +556,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
     if [ "${ROUNDS:-1}" = 1 ] && cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
-      printf '%s' "${SGL_EXTRA:-}" > "$W/server_baseline.args"
+      baseline_flags > "$W/server_baseline.args"
     fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left
