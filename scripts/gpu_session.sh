@@ -93,7 +93,7 @@
 # (n10's MT-Bench 2.34 at step 200) and the decay climbs back to where the last drafter ended, while six epochs
 # memorize the new samples (training loss 1.19 -> 0.54). The average of n9's and n10's weights beats both at steps 3
 # offline (results/2026-12-05g-cpu). Next: ONE train call with two configs on the same new data (lr 1e-3 as before and 3e-4),
-# fewer epochs, then bench both; SGL_EXTRA flags of speculation alone (--speculative-*, e.g. "--speculative-attention-
+# fewer epochs, AVERAGE=1, then bench all three; SGL_EXTRA flags of speculation alone (--speculative-*, e.g. "--speculative-attention-
 # mode decode" for the tree) keep the cached baseline.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
@@ -108,7 +108,8 @@
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
-# /tmp/init-drafter/NAME in it), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
+# /tmp/init-drafter/NAME in it), AVERAGE (train: 0; 1 with INIT_FROM: also NAME-avg, its average with the drafter it
+# continued), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
 # (wide; the first on every prompt set unless SETS=mt-bench; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -417,7 +418,8 @@ train)
   # INIT_FROM=parts:NAME: the drafter NAME from its parts (a 63-MB export does not fit one 64-MiB call beside the
   # working tree: carry .gpu-drafters/parts-NAME/drafter-NAME.tar.part* split over a setup call and this one)
   copy_parts
-  init=; [ -z "${INIT_FROM:-}" ] || init=", \"init_from\": \"$(init_drafter "$INIT_FROM")\""
+  init_dir=; [ -z "${INIT_FROM:-}" ] || init_dir=$(init_drafter "$INIT_FROM")
+  init=; [ -z "$init_dir" ] || init=", \"init_from\": \"$init_dir\""
   [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # KL_KERNEL (auto): the draft-vocab KL in Triton kernels (eaglenest/drafter/kl_loss.py: one pass over the logits
   # each way instead of the fp32 log-softmax's several) or the PyTorch ops. Unless torch, the kernels are first
@@ -502,6 +504,12 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
   for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
     run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
+    # AVERAGE=1 (with INIT_FROM): also NAME-avg, the mean of the continued drafter's weights and those it started
+    # from (`eaglenest average`: n9 + n10 beat both offline, results/2026-12-05g-cpu); bench DRAFTERS="NAME NAME-avg"
+    if [ "${AVERAGE:-0}" = 1 ] && [ -n "$init_dir" ]; then
+      run python3 -m eaglenest average "$init_dir" "/tmp/export/$name" --out "/tmp/export/$name-avg" --overwrite \
+        || echo "average $name exited $?" >&2
+    fi
   done
   # the drafters come back (parts of <= 15 MB) for the CPU benchmark: as many as fit this call's 8 files beside
   # train.tgz; the rest come back with the bench call (listed in $W/drafters-left.txt)

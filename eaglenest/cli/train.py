@@ -1,4 +1,4 @@
-"""Command line for the drafter: ``eaglenest train ...``, ``eaglenest export ...`` and ``eaglenest trim-vocab ...``.
+"""Command line for the drafter: ``eaglenest train ...``, ``export ...``, ``trim-vocab ...`` and ``average ...``.
 
 Thin: options are generated from :class:`~eaglenest.drafter.config.TrainConfig` (or read from
 ``--params FILE``; ``--set FIELD=VALUE`` sets any field too), then the library trains.
@@ -102,3 +102,19 @@ def trim_vocab_command(
 
     report = trim_export(src, out, size=size, counts=counts_from, overwrite=overwrite)
     typer.echo(json.dumps(report.to_dict(), indent=1))
+
+
+@app.command("average")
+@one_line
+def average_command(
+    srcs: Annotated[list[Path], typer.Argument(help="two eaglenest exports or more, of one lineage (a drafter and "
+                                                    "its continuations)")],
+    out: Annotated[Path, typer.Option(help="export folder to create")],
+    weight: Annotated[list[float] | None, typer.Option(help="one per export, in order (default: equal)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing export")] = False,
+) -> None:
+    """Average drafters' weights into one export (a model soup): a drafter and its continuation on new data can
+    generalize better averaged than either alone. Measure it (`eaglenest bench offline`) before serving it."""
+    from eaglenest.drafter.average import average_exports
+
+    typer.echo(str(average_exports(srcs, out, weights=weight or None, overwrite=overwrite)))

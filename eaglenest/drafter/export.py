@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from eaglenest import __version__, contract
 from eaglenest import models as model_lib
@@ -70,6 +70,25 @@ def read_trained(path: str | Path) -> TrainedDrafter:
     return TrainedDrafter(weights=load_file(str(ckpt_dir / "model.safetensors")),
                           config=DrafterConfig.from_dict(state["drafter_config"]),
                           provenance=contract.Provenance.from_json(state["provenance"]), training=training)
+
+
+def read_export(folder: str | Path, *, what: str = "not an eaglenest export (or an incomplete one)"
+                ) -> tuple[dict, TrainedDrafter]:
+    """An export folder (either format) as its manifest and the drafter in it (SGLang weight names); ContractError
+    naming the folder (and ``what``, when it has no manifest) unless it is a complete, intact export."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        raise contract.ContractError(f"{folder}: no {MANIFEST}; {what}")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("schema_version") != EXPORT_SCHEMA:
+        raise contract.UnknownSchemaVersion(f"{folder}: export schema {manifest.get('schema_version')!r} unknown")
+    data = (folder / "model.safetensors").read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["weights_sha256"]:
+        raise contract.ContractError(f"{folder}/model.safetensors: sha256 differs from the manifest (corrupt copy)")
+    weights = {k.replace("layers.0.", "midlayer."): v for k, v in load(data).items()}
+    return manifest, TrainedDrafter(weights=weights, config=DrafterConfig.from_dict(manifest["drafter_config"]),
+                                    provenance=contract.Provenance.from_json(manifest["provenance"]),
+                                    training=dict(manifest.get("training") or {}))
 
 
 def _llama_config(cfg: DrafterConfig, dtype: str) -> dict:
@@ -187,22 +206,11 @@ def check_compatible(manifest: dict, *, target_dir: Path | None = None,
 def load_drafter(folder: str | Path, *, target_dir: str | Path, provenance: contract.Provenance | None = None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedDrafter:
     """An exported folder (either format) -> a ready Eagle3Drafter with the target's embedding."""
-    folder, target_dir = Path(folder), Path(target_dir)
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        raise contract.ContractError(f"{folder}: no {MANIFEST}; not an eaglenest export (or an incomplete one)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("schema_version") != EXPORT_SCHEMA:
-        raise contract.UnknownSchemaVersion(f"{folder}: export schema {manifest.get('schema_version')!r} unknown")
-    data = (folder / "model.safetensors").read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest["weights_sha256"]:
-        raise contract.ContractError(f"{folder}/model.safetensors: sha256 differs from the manifest (corrupt copy)")
+    manifest, drafter = read_export(folder)
+    target_dir = Path(target_dir)
     check_compatible(manifest, target_dir=target_dir, provenance=provenance)
-    cfg = DrafterConfig.from_dict(manifest["drafter_config"])
     tt = load_target_tensors(target_dir)
-    model = Eagle3Drafter(cfg, embed_weight=tt.embed)
-    weights = {k.replace("layers.0.", "midlayer."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    model.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in weights.items()})
+    model = Eagle3Drafter(drafter.config, embed_weight=tt.embed)
+    model.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in drafter.weights.items()})
     model.to(device=device, dtype=dtype)  # floating tensors only: d2t/t2d keep int64/bool
-    return LoadedDrafter(model=model.eval(), manifest=manifest,
-                         provenance=contract.Provenance.from_json(manifest["provenance"]))
+    return LoadedDrafter(model=model.eval(), manifest=manifest, provenance=drafter.provenance)

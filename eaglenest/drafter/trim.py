@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file
 
 from eaglenest import contract
-from eaglenest.drafter.export import MANIFEST, TrainedDrafter, export_drafter
-from eaglenest.drafter.model import DrafterConfig
+from eaglenest.drafter.export import export_drafter, read_export
 from eaglenest.drafter.vocab import DraftVocab, count_answer_tokens, count_tokens, loss_tokens
 
 
@@ -58,11 +56,8 @@ def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.n
     frequent in ``counts`` [V] (:meth:`DraftVocab.most_frequent`), or in what :func:`token_counts` counts there
     (a store, an extraction folder, an answers file: read once the export and the size are known good)."""
     src = Path(src)
-    if not (src / MANIFEST).is_file():
-        raise contract.ContractError(f"{src}: no {MANIFEST}; trim-vocab takes an eaglenest export")
-    manifest = json.loads((src / MANIFEST).read_text())
-    cfg = DrafterConfig.from_dict(manifest["drafter_config"])
-    weights = {k.replace("layers.0.", "midlayer."): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    manifest, drafter = read_export(src, what="trim-vocab takes an eaglenest export")
+    cfg, weights = drafter.config, dict(drafter.weights)
     vocab = DraftVocab.from_d2t(weights["d2t"], cfg.vocab_size)
     if size >= vocab.size:
         raise contract.ContractError(f"{src}: its draft vocabulary has {vocab.size} tokens; trimming needs a smaller "
@@ -73,17 +68,17 @@ def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.n
     weights.update({"lm_head.weight": weights["lm_head.weight"][keep].contiguous(), "d2t": trimmed.d2t,
                     "t2d": trimmed.t2d})
     before = vocab.share_of(counts)
-    training = dict(manifest.get("training") or {})
+    training = drafter.training
     training["trimmed"] = {"from": str(src), "draft_vocab_before": vocab.size, "draft_vocab": size,
                            "coverage_before": before, "coverage": trimmed.coverage}
-    source = TrainedDrafter(weights=weights, config=dataclasses.replace(cfg, draft_vocab_size=size),
-                            provenance=contract.Provenance.from_json(manifest["provenance"]), training=training)
+    source = dataclasses.replace(drafter, weights=weights, config=dataclasses.replace(cfg, draft_vocab_size=size),
+                                 training=training)
     out = export_drafter(source, out_dir, fmt=manifest["format"], dtype=manifest["dtype"], overwrite=overwrite,
-                         **_speculative_tokens(src, manifest["format"]))
+                         **speculative_tokens(src, manifest["format"]))
     return TrimReport(out, vocab.size, size, before, trimmed.coverage)
 
 
-def _speculative_tokens(src: Path, fmt: str) -> dict:
+def speculative_tokens(src: Path, fmt: str) -> dict:
     """A speculators export keeps its proposal length."""
     if fmt != "speculators":
         return {}
