@@ -13,8 +13,10 @@ scale per group of values (:mod:`~eaglenest.speculative.quant` packs them): a qu
 rows and 32 input features on the tile unit, each row still computed alone: SmolLM2's linears for 4 rows then cost
 what they cost for 1 (1.26x on AVX512), while a 1-row pass is 3-8% slower than on AVX512; so the speculative
 decoder's forwards run there and plain decoding stays on AVX512 (``EAGLENEST_AMX=0``: never AMX). The first use on a
-machine compiles them (~40 s on 2 cores; torch caches the build under ``~/.cache/torch_extensions`` and
-rebuilds it when the source changes).
+machine compiles them (~40 s on 2 cores) into a folder of their own per source (:func:`build_dir`), kept for later
+processes. A build killed midway (Ctrl-C during a first benchmark) leaves torch's ``lock`` file behind, on which
+every later build would wait forever; builds here take an OS lock first, which dies with its process, so a ``lock``
+found while holding it is such a leftover and is removed.
 """
 
 from __future__ import annotations
@@ -50,15 +52,40 @@ def _cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
 
 
+def build_dir() -> Path:
+    """Where the kernels are built: under torch's extensions folder (``TORCH_EXTENSIONS_DIR``), one folder per source
+    and flags, so checkouts of one source share a build and a changed source gets a new one."""
+    import hashlib
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()
+    return root / f"eaglenest_skinny-{key[:12]}"
+
+
+def _build():
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "eaglenest-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # every build here holds it; released when its process ends, however
+        stale = where / "lock"
+        if stale.exists():  # torch's own lock, with no build of ours running: left by a killed one
+            log.warning("removing %s, left by a build that was killed; building the kernels again", stale)
+            stale.unlink()
+        return load(name="eaglenest_skinny", sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
+                    verbose=False)
+
+
 @functools.cache
 def _module():
     """The built extension, or None where it cannot run (logged once)."""
     if os.environ.get("EAGLENEST_SKINNY", "1") == "0" or not _cpu_has_avx512_bf16():
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="eaglenest_skinny", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        return _build()
     except Exception as e:  # no compiler, no ninja, a failed build: decode on oneDNN and SDPA instead
         log.warning("skinny bf16 kernels unavailable (%s: %s); decode forwards use oneDNN and SDPA",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")

@@ -35,6 +35,23 @@ def test_skinny_is_x_times_w_transposed_and_rows_do_not_interact(skinny, m, n, k
             assert torch.equal(skinny(x[i: i + 1].contiguous(), w)[0], y[i])
 
 
+def test_a_build_killed_midway_does_not_stall_the_next_process(skinny, tmp_path):
+    """A killed build leaves torch's lock file, on which torch waits forever; the next process removes it."""
+    import subprocess
+    import sys
+
+    stale = kernels.build_dir() / "lock"
+    stale.write_text("")
+    code = "from eaglenest.speculative import kernels; import sys; sys.exit(kernels.skinny_linear() is None)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    finally:
+        was_left = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0 and not was_left, done.stderr[-2000:]
+    assert "left by a build that was killed" in done.stderr
+
+
 def test_amx_block_restores_the_kernel_path(skinny):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(4, 576, generator=g).to(torch.bfloat16), torch.randn(49152, 576, generator=g).to(torch.bfloat16)
