@@ -94,8 +94,9 @@
 # memorize the new samples (training loss 1.19 -> 0.54). The average of n9's and n10's weights beats both at steps 3
 # offline (results/2026-12-05g-cpu; the 8x8x48 tree replayed: 4.47 against n9's 4.42 and n10's 4.40). Next: the mean
 # n9n10 as INIT_FROM (.gpu-drafters/parts-n9n10), ONE train call with two configs on the same new data (lr 1e-3 as
-# before and 3e-4), fewer epochs, AVERAGE=1, then bench; the tree with n9n10 itself at least; SGL_EXTRA flags of speculation alone (--speculative-*, e.g. "--speculative-attention-
-# mode decode" for the tree) keep the cached baseline.
+# before and 3e-4), fewer epochs, AVERAGE=1, then bench; the tree with n9n10 itself at least; SGL_EXTRA flags of
+# speculation alone (--speculative-*, e.g. "--speculative-attention-mode decode" for the tree) keep the cached
+# baseline.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
