@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from eaglenest import contract
-from eaglenest.drafter.export import export_drafter, read_export
-from eaglenest.drafter.trim import speculative_tokens
+from eaglenest.drafter.export import export_drafter, read_export, speculative_tokens
 
 _SAME_PROVENANCE = ("model_hash", "hidden_size", "aux_layer_ids", "convention")
 

@@ -91,6 +91,15 @@ def read_export(folder: str | Path, *, what: str = "not an eaglenest export (or 
                                     training=dict(manifest.get("training") or {}))
 
 
+def speculative_tokens(src: Path, fmt: str) -> dict:
+    """``export_drafter``'s keywords that keep an export's own settings when it is written again (a speculators
+    export keeps its proposal length)."""
+    if fmt != "speculators":
+        return {}
+    methods = json.loads((src / "config.json").read_text())["speculators_config"]["proposal_methods"]
+    return {"speculative_tokens": int(methods[0]["speculative_tokens"])}
+
+
 def _llama_config(cfg: DrafterConfig, dtype: str) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,

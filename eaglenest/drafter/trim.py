@@ -13,14 +13,13 @@ the same target ids, so for any input the trimmed drafter's logits are the sourc
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from eaglenest import contract
-from eaglenest.drafter.export import export_drafter, read_export
+from eaglenest.drafter.export import export_drafter, read_export, speculative_tokens
 from eaglenest.drafter.vocab import DraftVocab, count_answer_tokens, count_tokens, loss_tokens
 
 
@@ -76,11 +75,3 @@ def trim_export(src: str | Path, out_dir: str | Path, *, size: int, counts: np.n
     out = export_drafter(source, out_dir, fmt=manifest["format"], dtype=manifest["dtype"], overwrite=overwrite,
                          **speculative_tokens(src, manifest["format"]))
     return TrimReport(out, vocab.size, size, before, trimmed.coverage)
-
-
-def speculative_tokens(src: Path, fmt: str) -> dict:
-    """A speculators export keeps its proposal length."""
-    if fmt != "speculators":
-        return {}
-    methods = json.loads((src / "config.json").read_text())["speculators_config"]["proposal_methods"]
-    return {"speculative_tokens": int(methods[0]["speculative_tokens"])}
