@@ -40,7 +40,7 @@ class BenchConfig(BaseModel):
     model: str = Field("default", description="target: 'default' (SmolLM2-135M-Instruct) or a local HF folder")
     draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
     num_steps: int | None = Field(None, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps; "
-                                  "none of the three: the measured best shape, on SGLang steps 6 x topk 4 x 16 "
+                                  "none of the three: the measured best shape, on SGLang steps 7 x topk 8 x 48 "
                                   "tokens, on the embedded engine eaglenest/speculative/cpu_shape.json)")
     topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
