@@ -570,7 +570,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
       --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
-    if [ "${ROUNDS:-1}" = 1 ] && cp "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
+    if [ "${ROUNDS:-1}" = 1 ] && cp -p "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
       baseline_flags > "$W/server_baseline.args"
     fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import runpy
+from pathlib import Path
 
 import httpx
 import pytest
@@ -125,3 +128,17 @@ def test_rounds_in_the_bench_config_and_its_server_commands(tmp_path):
         BenchConfig(draft="/d", rounds=2, requests_per_level=8)
     with pytest.raises(ValueError, match="each round needs a prompt"):
         BenchConfig(draft="/d", rounds=5, num_prompts=4)
+
+
+def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
+    """A speedup against a reused baseline (measured alone, earlier) is not an alternated one: the live grid's
+    report and matrix say which it is, and how old a reused baseline was."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    provenance = runpy.run_path(str(script))["baseline_provenance"]
+    cached = tmp_path / "server_baseline.json"
+    cached.write_text("{}")
+    os.utime(cached, (1000.0, 1000.0))
+    assert provenance(3, None) == "measured together with EAGLE3, 3 alternating rounds"
+    assert provenance(1, str(cached), now=1000.0 + 12 * 60) == (
+        f"reused: {cached}, written 12 min before this run (not alternated)")
+    assert provenance(1, None) == "measured alone in this run, before EAGLE3 (not alternated)"
