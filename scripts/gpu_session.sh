@@ -97,6 +97,15 @@
 # before and 3e-4), fewer epochs, AVERAGE=1, then bench; the tree with n9n10 itself at least; SGL_EXTRA flags of
 # speculation alone (--speculative-*, e.g. "--speculative-attention-mode decode" for the tree) keep the cached
 # baseline.
+# n9n10 served (results/2026-12-06-h100, H100 after 618 s of refused starts: 1,182 s left; no data, no training): setup x4
+# (the fourth carries parts ad, ae), bench first (DRAFTERS=parts:n9n10 with .device/gguf2 and .gpu carried: the model
+# and the prompt sets come with it), then trees on MT-Bench with the cached baseline, then ROUNDS=3 for the two best.
+# Steps 3: 2.45 / 2.47 MT-Bench (= n9, n10), 2.95 / 3.03, 2.88 / 2.93. Trees: 7x8x48 4.57 at 1.51x against the cached
+# solo baseline but 1.44x in alternating rounds (the baseline ran 3.5% faster beside EAGLE3); 8x8x48 1.47x / 1.43x;
+# 9x8x56 1.45x; 8x16x64 1.44x; "--speculative-attention-mode decode" 1.46x (no gain). Next: the data + two-config
+# train from n9n10 above (lr 1e-3 and 3e-4, EPOCHS about 3, AVERAGE=1; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# for two processes on an H100, never tried there), bench the new drafters at steps 3 and as the 7x8x48 tree with
+# ROUNDS=3 (the honest speedup: a solo baseline reads 3-4% slower).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
