@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from eaglenest.engines.embedded import EmbeddedEngine, ServerSettings
-from eaglenest.engines.loadgen import send_all
+from eaglenest.engines.prefill_load import send_all
 from eaglenest.engines.runtime import TargetRunner
 from eaglenest.engines.serving import BackgroundServer
 from eaglenest.models import resolve_model
