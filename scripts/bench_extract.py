@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from eaglenest.contract import NO_CAPTURE_RID_PREFIX
-from eaglenest.engines.prefill_load import send_all
 from eaglenest.engines.pool import embedded_command, free_port, launched, local_server
+from eaglenest.engines.prefill_load import send_all
 from eaglenest.extraction.config import ExtractParams
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction, prepare

@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eaglenest import contract
-from eaglenest.engines.prefill_load import batched_prefill as prefill_bench
 from eaglenest.engines.pool import embedded_command, launched, local_server, log_tail, probe_ready
+from eaglenest.engines.prefill_load import batched_prefill as prefill_bench
 from eaglenest.engines.sglang_flags import sglang_flags
 from eaglenest.engines.sglang_launcher import build_command, capture_ready, release_work_dir
 from eaglenest.testing.sglang_probe import read_probe

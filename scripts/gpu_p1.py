@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eaglenest.engines import ENV_PROFILE_DIR
-from eaglenest.engines.prefill_load import batched_prefill as bench
 from eaglenest.engines.pool import launched, local_server, log_tail, probe_ready
+from eaglenest.engines.prefill_load import batched_prefill as bench
 from eaglenest.engines.sglang_flags import sglang_flags
 from eaglenest.engines.sglang_launcher import (
     build_command,
