@@ -104,8 +104,11 @@
 # solo baseline but 1.44x in alternating rounds (the baseline ran 3.5% faster beside EAGLE3); 8x8x48 1.47x / 1.43x;
 # 9x8x56 1.45x; 8x16x64 1.44x; "--speculative-attention-mode decode" 1.46x (no gain). Next: the data + two-config
 # train from n9n10 above (lr 1e-3 and 3e-4, EPOCHS about 3, AVERAGE=1; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-# for two processes on an H100, never tried there), bench the new drafters at steps 3 and as the 7x8x48 tree with
-# ROUNDS=3 (the honest speedup: a solo baseline reads 3-4% slower).
+# for two processes on an H100, never tried there), bench the new drafters at steps 3 and as the 7x8x48 and 6x8x48
+# trees with ROUNDS=3 (the honest speedup: a solo baseline reads 3-4% slower; 6x8x48 replays 4.30 against 4.42 a
+# cycle, a step cheaper: results/2026-12-06-cpu). Open question: is the solo baseline slower for its KV pool (0.83 of
+# the GPU, 3.0M tokens, against 0.4 and 1.45M beside EAGLE3)? SGL_EXTRA="--mem-fraction-static 0.4" on a solo
+# bench answers it (a new baseline, ~150 s).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
