@@ -1,6 +1,7 @@
-"""scripts/gpu_specforge.py on the CPU: the store -> SpecForge offline-format converter (default suite), and,
-when PyPI ``specforge`` is importable, its trainer on the converted samples beside ours, both exports scored by
-our evaluator, and SpecForge's own forward against our reading of its export (slow)."""
+"""scripts/gpu_specforge.py and its scripts/specforge_side_by_side.py on the CPU: the store -> SpecForge
+offline-format converter (default suite), and, when PyPI ``specforge`` is importable, its trainer on the converted
+samples beside ours, both exports scored by our evaluator, and SpecForge's own forward against our reading of its
+export (slow)."""
 
 from __future__ import annotations
 
@@ -18,28 +19,39 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def sf_script():
+def side_by_side():
+    """scripts/specforge_side_by_side.py, found as the script finds it: its folder first on sys.path."""
+    folder = str(ROOT / "scripts")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module("specforge_side_by_side")
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("specforge_side_by_side", None)
+
+
+@pytest.fixture(scope="module")
+def sf_script(side_by_side):
     spec = importlib.util.spec_from_file_location("gpu_specforge", ROOT / "scripts" / "gpu_specforge.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_specforge"] = mod  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("gpu_specforge", None)
+    return mod
 
 
-def _settings(sf_script, tiny_model_dir, work, **kw):
+def _settings(side_by_side, tiny_model_dir, work, **kw):
     base = dict(store="memory", target=str(tiny_model_dir), work=str(work), max_train_tokens=10**6, epochs=1,
                 draft_vocab=200, max_tokens=512, max_seq_len=512, sf_batch_size=2, sf_attention="sdpa",
                 sf_sharding="NO_SHARD", sf_workers=0, warmup_steps=2, eval_fraction=0.1, eval_max_samples=4,
                 device="cpu")
-    return sf_script.Settings(**{**base, **kw})
+    return side_by_side.Settings(**{**base, **kw})
 
 
-def test_selection_is_the_training_split_in_whole_specforge_steps(sf_script, drafter_store, tiny_model_dir, tmp_path):
+def test_selection_is_the_training_split_in_whole_specforge_steps(side_by_side, drafter_store, tiny_model_dir,
+                                                                  tmp_path):
     from eaglenest.store import split_indices
 
-    s = _settings(sf_script, tiny_model_dir, tmp_path, max_train_tokens=1500)
-    sel = sf_script.select_samples(drafter_store, s)
+    s = _settings(side_by_side, tiny_model_dir, tmp_path, max_train_tokens=1500)
+    sel = side_by_side.select_samples(drafter_store, s)
     _, heldout = split_indices(drafter_store.sample_ids, s.eval_fraction, max_eval=s.eval_max_samples)
     assert heldout and not set(heldout) & set(sel.indices)
     assert len(sel.indices) % (sel.batch_size * sel.accumulation_steps) == 0
@@ -47,20 +59,20 @@ def test_selection_is_the_training_split_in_whole_specforge_steps(sf_script, dra
     assert sel.indices == sorted(sel.indices)  # the first samples of the split, in store order
 
 
-def test_specforge_steps_hold_as_many_samples_as_ours(sf_script, drafter_store, tiny_model_dir, tmp_path):
-    s = _settings(sf_script, tiny_model_dir, tmp_path, max_tokens=1024, sf_batch_size=4)
-    sel = sf_script.select_samples(drafter_store, s)
+def test_specforge_steps_hold_as_many_samples_as_ours(side_by_side, drafter_store, tiny_model_dir, tmp_path):
+    s = _settings(side_by_side, tiny_model_dir, tmp_path, max_tokens=1024, sf_batch_size=4)
+    sel = side_by_side.select_samples(drafter_store, s)
     ours = len(sel.indices) / sel.eaglenest_steps_per_epoch
     assert sel.batch_size <= 4
     assert abs(sel.batch_size * sel.accumulation_steps - ours) <= sel.accumulation_steps / 2 + 1
 
 
-def test_convert_writes_specforge_offline_features(sf_script, drafter_store, tiny_model_dir, tmp_path):
+def test_convert_writes_specforge_offline_features(side_by_side, drafter_store, tiny_model_dir, tmp_path):
     from eaglenest.drafter.vocab import build_draft_vocab
 
-    s = _settings(sf_script, tiny_model_dir, tmp_path)
-    sel = sf_script.select_samples(drafter_store, s)
-    done = sf_script.convert(drafter_store, s, sel)
+    s = _settings(side_by_side, tiny_model_dir, tmp_path)
+    sel = side_by_side.select_samples(drafter_store, s)
+    done = side_by_side.convert(drafter_store, s, sel)
     files = sorted((tmp_path / "features").glob("*.ckpt"))
     assert len(files) == len(sel.indices) == done["samples"] and not list((tmp_path / "features").glob("*.tmp"))
     for path, i in zip(files, sel.indices, strict=True):
@@ -86,7 +98,7 @@ def test_convert_writes_specforge_offline_features(sf_script, drafter_store, tin
     index = json.loads((tmp_path / "target" / "model.safetensors.index.json").read_text())
     assert done["lm_head_key"] in index["weight_map"]
     before = [f.stat().st_mtime_ns for f in files]
-    assert sf_script.convert(drafter_store, s, sel)["key"] == done["key"]  # present and valid: reused
+    assert side_by_side.convert(drafter_store, s, sel)["key"] == done["key"]  # present and valid: reused
     assert [f.stat().st_mtime_ns for f in files] == before
 
 
@@ -149,7 +161,7 @@ def test_side_by_side_cli_on_an_extraction(sf_script, specforge_on_cpu, tiny_ext
 
 
 @pytest.mark.slow
-def test_our_reader_computes_specforge_drafter_as_specforge_does(sf_script, specforge_on_cpu, drafter_store,
+def test_our_reader_computes_specforge_drafter_as_specforge_does(side_by_side, specforge_on_cpu, drafter_store,
                                                                   tiny_model_dir, tmp_path):
     """Step 0 of the TTT unroll (no draft cache, positions 0..T-1 on both sides): the logits of SpecForge's own
     LlamaForCausalLMEagle3 equal those of eaglenest's drafter loaded from SpecForge's SGLang export."""
@@ -159,11 +171,11 @@ def test_our_reader_computes_specforge_drafter_as_specforge_does(sf_script, spec
     from eaglenest.drafter.ttt import shift_left, unroll
     from eaglenest.speculative.draft import load_exported_drafter, target_embedding
 
-    s = _settings(sf_script, tiny_model_dir, tmp_path, max_train_tokens=800)
-    sel = sf_script.select_samples(drafter_store, s)
-    done = sf_script.convert(drafter_store, s, sel)
-    sf_script.train_specforge(sf_script.specforge_config(s, sel, done["lm_head_key"]), mean_tokens=1.0)
-    export = sf_script.export_specforge(tmp_path)
+    s = _settings(side_by_side, tiny_model_dir, tmp_path, max_train_tokens=800)
+    sel = side_by_side.select_samples(drafter_store, s)
+    done = side_by_side.convert(drafter_store, s, sel)
+    side_by_side.train_specforge(side_by_side.specforge_config(s, sel, done["lm_head_key"]), mean_tokens=1.0)
+    export = side_by_side.export_specforge(tmp_path)
     embed = target_embedding(tiny_model_dir).float()
     ours = load_exported_drafter(export, embed_weight=embed, dtype=torch.float32)
     theirs = materialize_draft(resolve_training_state(str(tmp_path / "specforge-run")),
