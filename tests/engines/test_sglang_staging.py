@@ -1,6 +1,6 @@
 """The capture writer's child process and the scheduler stack sampler (CPU; no sglang needed).
 
-The plugin glue tests in test_sglang_capture.py run through both writers; these cover what only the
+The plugin glue tests in test_sglang_plugin.py run through both writers; these cover what only the
 child process can do (die) and the diagnostics sampler.
 """
 
@@ -11,12 +11,20 @@ import threading
 import time
 
 import torch
-from test_sglang_capture import EXTEND, check_shard, fake_req, forward, logits_processor, provenance, read_receipt
 
 from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.sglang_receipts import receipt_path
 from eaglenest.engines.sglang_staging import SHM_DIR, ProcessWriter, attach
 from eaglenest.testing import sglang_profiler
+from tests.sglang_capture_helpers import (
+    EXTEND,
+    check_shard,
+    fake_req,
+    forward,
+    logits_processor,
+    provenance,
+    read_receipt,
+)
 
 
 def test_process_writer_fails_requests_clearly_when_its_child_dies(tmp_path, monkeypatch):
