@@ -109,6 +109,17 @@
 # cycle, a step cheaper: results/2026-12-06-cpu). Open question: is the solo baseline slower for its KV pool (0.83 of
 # the GPU, 3.0M tokens, against 0.4 and 1.45M beside EAGLE3)? SGL_EXTRA="--mem-fraction-static 0.4" on a solo
 # bench answers it (a new baseline, ~150 s).
+# n11 (results/2026-12-06b-h200, H200 after 485 s of refused starts: 1,315 s left), from nothing again: this checkout had
+# lost every git-ignored asset (n9n10, the answers, the Triton cache), so .device (prepare.sh, SMOLLM2=1) and .gpu (the
+# packs' commands in results/2026-12-03g-h200/RUN.json) were rebuilt first (~8 min on this CPU machine). setup x2, data
+# (SELF_COUNT=14000 SELF_SEED=12 STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction
+# EXTRACT_S=350 STOP_VALIDATE_S=50 in a 495-s call: cold launch 128 s, the second server 186 s, 14K prompts 45 s, 184 s of
+# stream, 9,527 samples, 5.1M tokens), train (TRAIN_MINUTES=4: 1,199 steps, 37.5M tokens at 177K tok/s), bench, the
+# 7x8x48 and 6x8x48 trees. Steps 3: 2.13 / 2.14, 2.50 / 2.47, 2.34 / 2.32 (n2 from nothing: 2.19, 2.68, 2.52); 7x8x48
+# 3.40 at 1.11x, 6x8x48 3.40 at 0.71x (its cycle 6.3 ms against 4.0 ms for seven steps: one run, unexplained).
+# Next: continue n11 (INIT_FROM=parts:n11, .gpu-drafters/parts-n11; draft vocab 16000, where n6..n10 had 32000) on seed
+# 13 and replay seed 12's answers (.gpu-logs/regen-logs-train-1tc-t1-l40000-self12x14000.tar.xz.part*: same SOURCE,
+# LIMIT, SELF_COUNT, SELF_SEED capture them without regenerating); NAME=n12 names the new drafter's parts.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -120,11 +131,13 @@
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
-# a safety stop), GRID (a gpu_sweep grid JSON, default one config, `wide`: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), INIT_FROM (train: continue
+# a safety stop), GRID (a gpu_sweep grid JSON, default one config named NAME: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), NAME (wide: the
+# default grid's drafter, and the bench's drafter when DRAFTERS is not given; a session's name, e.g. n11, brings the parts back
+# as drafter-n11.tar.part*, ready for INIT_FROM=parts:n11 in the next window without repacking), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), AVERAGE (train: 0; 1 with INIT_FROM: also NAME-avg, its average with the drafter it
 # continued), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
-# (wide; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
+# (NAME; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
 # INIT_FROM, served before any data call with gguf2 and .gpu carried; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -435,7 +448,7 @@ train)
   copy_parts
   init_dir=; [ -z "${INIT_FROM:-}" ] || init_dir=$(init_drafter "$INIT_FROM")
   init=; [ -z "$init_dir" ] || init=", \"init_from\": \"$init_dir\""
-  [ -f "$grid" ] || echo "{\"wide\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
+  [ -f "$grid" ] || echo "{\"${NAME:-wide}\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # KL_KERNEL (auto): the draft-vocab KL in Triton kernels (eaglenest/drafter/kl_loss.py: one pass over the logits
   # each way instead of the fp32 log-softmax's several) or the PyTorch ops. Unless torch, the kernels are first
   # checked against the ops on this GPU (~10 s; a failed check trains with the ops). KL_AB=1 then times one training
@@ -547,7 +560,7 @@ bench)
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
-  drafters=${DRAFTERS:-wide}
+  drafters=${DRAFTERS:-${NAME:-wide}}
   if [ "$drafters" = best ]; then  # the train step's drafters, the highest offline MT-Bench accept length @3 first
     drafters=$(python3 -c "
 import glob, json, os
