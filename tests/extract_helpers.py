@@ -8,6 +8,18 @@ from eaglenest.engines.pool import LaunchError
 from eaglenest.extraction.config import ExtractParams
 
 
+class Kill(BaseException):
+    """The client dying mid-run (a BaseException, so no retry or handler in the run swallows it)."""
+
+
+def kill_after_tokens(n):
+    """An ``on_progress`` callback that raises Kill once ``n`` tokens have been generated."""
+    def on_progress(p):
+        if p.generated_tokens >= n:
+            raise Kill
+    return on_progress
+
+
 def with_(params, **kw):
     return ExtractParams(**{**params.model_dump(), **kw})
 

@@ -10,8 +10,10 @@ import pytest
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import open_extraction
 from tests.extract_helpers import (
+    Kill,
     StopAfter,
     assert_complete_and_exact,
+    kill_after_tokens,
     ledger_lines,
     record_rids,
     regen_source,
@@ -111,15 +113,8 @@ def test_interrupted_regeneration_never_asks_for_an_answer_twice(tiny_extract_pa
     rids = record_rids(engine)
     params = with_(params, server_urls=[url])
 
-    class Kill(BaseException):
-        pass
-
-    def kill_midway(p):
-        if p.generated_tokens >= 5 * 7:
-            raise Kill  # the client dies mid-regeneration
-
     with pytest.raises(Kill):
-        run_extraction(params, on_progress=kill_midway)
+        run_extraction(params, on_progress=kill_after_tokens(5 * 7))  # the client dies mid-regeneration
     answers = [json.loads(line) for line in (ext.dir / "answers.jsonl").read_text().splitlines()]
     assert 5 <= len(answers) < 14
     persisted = {f"nocapture:regen:{a['sample_id']}:{a['turn']}" for a in answers}
@@ -151,15 +146,8 @@ def test_answers_carried_to_a_fresh_folder_are_captured_without_regenerating(tin
     engine.greedy_decoder = StopAfter(engine.runner, k=6, delay_s=0.1)
     params = with_(params, server_urls=[url])
 
-    class Kill(BaseException):
-        pass
-
-    def kill_midway(p):
-        if p.generated_tokens >= 5 * 7:
-            raise Kill
-
     with pytest.raises(Kill):
-        run_extraction(params, on_progress=kill_midway)
+        run_extraction(params, on_progress=kill_after_tokens(5 * 7))  # the client dies mid-regeneration
     answered = len((ext.dir / "answers.jsonl").read_text().splitlines())
     fresh = with_(params, output_dir=str(tmp_path / "elsewhere"))
     moved = open_extraction(fresh)
