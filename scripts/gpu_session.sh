@@ -21,8 +21,8 @@
 #                                                                 DRAFTERS=SF_WORK/eaglenest-export bench (same baseline;
 #                                                                 412 s for both; copy /dev/shm exports to /tmp first)
 #
-#   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from scripts/pack_prompts.py and `eaglenest bench
-#                                             prompts`)
+#   bash scripts/gpu_session.sh STEP          (inputs: .gpu/ from `make gpu-inputs`, ~1 minute here: the eval prompt
+#                                             sets, their calibration prompts and the training pack)
 # The recipe that made the best drafters (v32e, v32f: results/2026-12-03e-h200, 2026-12-03f-h200, about 1,750 of
 # 1,800 device seconds each): fresh prompts the target writes (prompts, SELF_SEED not used before: 16K asked in 230-
 # 252 s) answered and captured beside replayed answers of an earlier pack (data: `cat /tmp/gpu-logs/self.jsonl.xz
@@ -110,8 +110,8 @@
 # the GPU, 3.0M tokens, against 0.4 and 1.45M beside EAGLE3)? SGL_EXTRA="--mem-fraction-static 0.4" on a solo
 # bench answers it (a new baseline, ~150 s).
 # n11 (results/2026-12-06b-h200, H200 after 485 s of refused starts: 1,315 s left), from nothing again: this checkout had
-# lost every git-ignored asset (n9n10, the answers, the Triton cache), so .device (prepare.sh, SMOLLM2=1) and .gpu (the
-# packs' commands in results/2026-12-03g-h200/RUN.json) were rebuilt first (~8 min on this CPU machine). setup x2, data
+# lost every git-ignored asset (n9n10, the answers, the Triton cache), so .device (prepare.sh, SMOLLM2=1) and .gpu (now
+# `make gpu-inputs`) were rebuilt first (~8 min on this CPU machine). setup x2, data
 # (SELF_COUNT=14000 SELF_SEED=12 STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction
 # EXTRACT_S=350 STOP_VALIDATE_S=50 in a 495-s call: cold launch 128 s, the second server 186 s, 14K prompts 45 s, 184 s of
 # stream, 9,527 samples, 5.1M tokens), train (TRAIN_MINUTES=4: 1,199 steps, 37.5M tokens at 177K tok/s), bench, the
