@@ -114,30 +114,31 @@
 # `make gpu-inputs`) were rebuilt first (~8 min on this CPU machine). setup x2, data
 # (SELF_COUNT=14000 SELF_SEED=12 STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction
 # EXTRACT_S=350 STOP_VALIDATE_S=50 in a 495-s call: cold launch 128 s, the second server 186 s, 14K prompts 45 s, 184 s of
-# stream, 9,527 samples, 5.1M tokens), train (TRAIN_MINUTES=4: 1,199 steps, 37.5M tokens at 177K tok/s), bench, the
+# stream, 9,527 samples, 5.2M tokens), train (TRAIN_MINUTES=4: 1,199 steps, 37.5M tokens at 177K tok/s), bench, the
 # 7x8x48 and 6x8x48 trees. Steps 3: 2.13 / 2.14, 2.50 / 2.47, 2.34 / 2.32 (n2 from nothing: 2.19, 2.68, 2.52); 7x8x48
 # 3.40 at 1.11x, 6x8x48 3.40 at 0.71x (its cycle 6.3 ms against 4.0 ms for seven steps: one run, unexplained).
 # Next: continue n11 (INIT_FROM=parts:n11, .gpu-drafters/parts-n11; draft vocab 16000, where n6..n10 had 32000) on seed
 # 13 and replay seed 12's answers (.gpu-logs/regen-logs-train-1tc-t1-l40000-self12x14000.tar.xz.part*: same SOURCE,
-# LIMIT, SELF_COUNT, SELF_SEED capture them without regenerating); NAME=n12 names the new drafter's parts.
+# LIMIT, SELF_COUNT, SELF_SEED capture them without regenerating); DRAFTER_NAME=n12 names the new drafter's parts.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
 # call, and the next data step with the same SOURCE, MAX_TURNS and LIMIT captures them without regenerating).
-# Knobs (environment): SOURCE (a file of .gpu/: train-1t.jsonl.xz, 10K first turns; train-mt.jsonl.xz from
+# Knobs (environment): SOURCE (a file of .gpu/: train-1tc.jsonl.xz, `make gpu-inputs`' 10K ShareGPT first turns with
+# 2,777 coding prompts spread through them; train-mt.jsonl.xz from
 # `scripts/pack_prompts.py --count 20000 --max-tokens 2048 --max-turns 8 --exclude-prompt-set ...` x3 is 12,655
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
-# through it, 10.6 MB: carry one of them instead of train-1t, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
+# through it, 10.6 MB: carry one of them instead of train-1tc, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
 # second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
-# a safety stop), GRID (a gpu_sweep grid JSON, default one config named NAME: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144), NAME (wide: the
-# default grid's drafter, and the bench's drafter when DRAFTERS is not given; a session's name, e.g. n11, brings the parts back
-# as drafter-n11.tar.part*, ready for INIT_FROM=parts:n11 in the next window without repacking), INIT_FROM (train: continue
+# a safety stop), GRID (a gpu_sweep grid JSON, default one config named DRAFTER_NAME: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144),
+# DRAFTER_NAME (wide: the default grid's drafter; e.g. n11 brings the parts back as drafter-n11.tar.part*, ready for
+# INIT_FROM=parts:n11 in the next window without repacking), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), AVERAGE (train: 0; 1 with INIT_FROM: also NAME-avg, its average with the drafter it
 # continued), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
-# (NAME; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
+# (the last train call's drafters, else wide; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
 # INIT_FROM, served before any data call with gguf2 and .gpu carried; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
@@ -273,7 +274,7 @@ data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
   copy_logs  # a pack or earlier answers may come with this call too, when it has room (no gguf2)
   restore_kernels
-  src=${SOURCE:-train-1t.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
+  src=${SOURCE:-train-1tc.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
   # from this step's $OUT): those samples need only their capture, so regeneration goes to prompts not answered yet
   tag="$(basename "$src" .jsonl.xz)-t${MAX_TURNS:-1}-l${LIMIT:-10000}"
@@ -448,7 +449,12 @@ train)
   copy_parts
   init_dir=; [ -z "${INIT_FROM:-}" ] || init_dir=$(init_drafter "$INIT_FROM")
   init=; [ -z "$init_dir" ] || init=", \"init_from\": \"$init_dir\""
-  [ -f "$grid" ] || echo "{\"${NAME:-wide}\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
+  # DRAFTER_NAME names the default grid's one config, rewritten by every train call (a warm machine keeps /tmp: an
+  # earlier call's grid would train under its name and from its INIT_FROM); a name is also a folder and a file name
+  name=${DRAFTER_NAME:-wide}
+  case "$name" in ''|*[!A-Za-z0-9._-]*) echo "DRAFTER_NAME must be letters, digits, '.', '_' or '-', got '$name'" >&2
+                                       exit 2 ;; esac
+  [ -n "${GRID:-}" ] || echo "{\"$name\": {\"draft_vocab_size\": 16000, \"ttt_steps\": 4, \"lr\": 0.002, \"draft_intermediate_size\": 6144$init}}" > "$grid"
   # KL_KERNEL (auto): the draft-vocab KL in Triton kernels (eaglenest/drafter/kl_loss.py: one pass over the logits
   # each way instead of the fp32 log-softmax's several) or the PyTorch ops. Unless torch, the kernels are first
   # checked against the ops on this GPU (~10 s; a failed check trains with the ops). KL_AB=1 then times one training
@@ -527,6 +533,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   evals=()
   [ -f /tmp/calib/calibration/ledger.jsonl ] && for s in mt-bench humaneval sharegpt; do
     evals+=(--eval-set "$s=/tmp/calib/calibration"); done
+  cp "$grid" "$W/trained-grid.json"  # (what a later bench serves when DRAFTERS is not given)
   run env OUT="$R" python3 scripts/gpu_sweep.py --store "$TRAIN_DATA" --target "$MODEL" --grid "$grid" \
     "${evals[@]}" --epochs "$epochs" --eval-every 200 --max-minutes "${TRAIN_MINUTES:-8.5}" --work /tmp/sweep
   for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
@@ -560,7 +567,10 @@ bench)
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
-  drafters=${DRAFTERS:-${NAME:-wide}}
+  drafters=${DRAFTERS:-wide}  # (unset: the last train call's drafters, the keys of its grid)
+  if [ -z "${DRAFTERS:-}" ] && [ -f "$W/trained-grid.json" ]; then
+    drafters=$(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$W/trained-grid.json")
+  fi
   if [ "$drafters" = best ]; then  # the train step's drafters, the highest offline MT-Bench accept length @3 first
     drafters=$(python3 -c "
 import glob, json, os

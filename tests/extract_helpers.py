@@ -12,12 +12,18 @@ class Kill(BaseException):
     """The client dying mid-run (a BaseException, so no retry or handler in the run swallows it)."""
 
 
-def kill_after_tokens(n):
-    """An ``on_progress`` callback that raises Kill once ``n`` tokens have been generated."""
+def kill_when(condition):
+    """An ``on_progress`` callback that raises Kill once ``condition(progress)`` holds (SIGKILL-like: nothing after
+    it runs)."""
     def on_progress(p):
-        if p.generated_tokens >= n:
+        if condition(p):
             raise Kill
     return on_progress
+
+
+def kill_after_tokens(n):
+    """Kill once ``n`` tokens have been generated (mid-regeneration)."""
+    return kill_when(lambda p: p.generated_tokens >= n)
 
 
 def with_(params, **kw):

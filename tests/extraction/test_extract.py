@@ -10,7 +10,7 @@ from eaglenest.engines.pool import LaunchError
 from eaglenest.engines.preflight import PreflightError
 from eaglenest.extraction.run import run_extraction
 from eaglenest.extraction.state import ConfigChanged, open_extraction
-from tests.extract_helpers import assert_complete_and_exact, ledger_ids, ledger_lines, with_
+from tests.extract_helpers import Kill, assert_complete_and_exact, kill_when, ledger_ids, ledger_lines, with_
 
 
 def test_two_servers_split_one_run_then_rerun_sends_nothing(tiny_extract_params, capture_servers):
@@ -41,15 +41,9 @@ def test_interrupted_run_resumes_with_only_the_missing_work(tiny_extract_params,
     ((url, engine),) = capture_servers(ext_dir / "capture")
     params = with_(params, server_urls=[url])
 
-    class Kill(BaseException):
-        pass
-
-    def kill_midway(p):
-        if p.answered >= 3:  # validation runs in a thread: it may or may not have caught up at this moment
-            raise Kill  # the client dies mid-run (SIGKILL-like: nothing after this line runs)
-
+    # the client dies mid-run; validation runs in a thread: it may or may not have caught up at this moment
     with pytest.raises(Kill):
-        run_extraction(params, on_progress=kill_midway)
+        run_extraction(params, on_progress=kill_when(lambda p: p.answered >= 3))
     in_ledger = set(ledger_ids(ext_dir))
     shards = {p.name for p in (ext_dir / "capture").glob("*.safetensors")}
     answered_not_validated = len(shards) - len(in_ledger)
