@@ -10,8 +10,8 @@ policy and by EAGLE-3 under each (policy, shape), in turn. Prints per variant to
 outputs differing from plain greedy, then the speedup of the best EAGLE-3 variant over the best
 plain policy. Writes the JSON (command line, commit, machine, date, result) to ``--json-out``
 (default results/cpu_spec_<UTC time>.json). ``--save-shape`` makes the fastest measured shape the
-embedded decoder's default (eaglenest/speculative/cpu_shape.json). Load from other processes slows every
-variant alike but adds noise: measure on a quiet machine.
+embedded decoder's default on this kind of CPU (eaglenest/speculative/cpu_shape.json: one per kind, AMX or not).
+Load from other processes slows every variant alike but adds noise: measure on a quiet machine.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     ap.add_argument("--shapes", default="", help="speculation shapes, e.g. chain3,tree4x4n12 (default: the "
-                    "measured best in eaglenest/speculative/cpu_shape.json)")
-    ap.add_argument("--save-shape", action="store_true", help="make the fastest shape measured the default")
+                    "measured best for this kind of CPU in eaglenest/speculative/cpu_shape.json)")
+    ap.add_argument("--save-shape", action="store_true",
+                    help="make the fastest shape measured the default on this kind of CPU (AMX or not)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plain-policies", default="", help=f"oneDNN policies (default {','.join(PLAIN_POLICIES)})")

@@ -15,7 +15,7 @@ quant -> tree -> drafting -> decoder -> serve -> live -> report -> bench; loadge
 - :mod:`~eaglenest.speculative.target`     the decode-time target of both decoders: a lean Llama forward with a
   preallocated KV cache, else transformers' prepared forward.
 - :mod:`~eaglenest.speculative.tree`       speculation shapes (chain, EAGLE-2 tree), tree verify mask, path
-  acceptance, the measured default shape (``cpu_shape.json``).
+  acceptance, the measured default shape per kind of CPU (``cpu_shape.json``).
 - :mod:`~eaglenest.speculative.drafting`   the drafter at decode time (fused weights, preallocated KV, chain
   and tree proposals).
 - :mod:`~eaglenest.speculative.decoder`    lossless greedy speculation (chain or tree) over a transformers

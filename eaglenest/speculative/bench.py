@@ -41,14 +41,14 @@ class BenchConfig(BaseModel):
     draft: str = Field(..., description="exported EAGLE-3 drafter folder (SGLang format)")
     num_steps: int | None = Field(None, ge=1, le=16, description="draft steps per cycle (--speculative-num-steps; "
                                   "none of the three: the measured best shape, on SGLang steps 7 x topk 8 x 48 "
-                                  "tokens, on the embedded engine eaglenest/speculative/cpu_shape.json)")
+                                  "tokens, on the embedded engine eaglenest/speculative/cpu_shape.json, by CPU kind)")
     topk: int = Field(1, ge=1, le=16, description="branching per step (--speculative-eagle-topk); 1 = chain")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="tokens verified per cycle INCLUDING the root (SGLang's count); default steps + 1")
     shape: str | None = Field(
         None, description="embedded: the CPU decoder's speculation shape by name (chain1, chain4p0.35, tree4x4n12) "
         "instead of num_steps/topk/num_draft_tokens; with none of them the measured best shape "
-        "(eaglenest/speculative/cpu_shape.json)")
+        "(eaglenest/speculative/cpu_shape.json, by kind of CPU: AMX or not)")
     prompt_set: Literal["mt-bench", "humaneval", "sharegpt"] = Field("mt-bench", description="named prompt set")
     prompt_file: str | None = Field(None, description="token-id JSONL from `eaglenest bench prompts` (overrides set)")
     num_prompts: int | None = Field(32, ge=1, description="first N prompts of the set (None: all)")

@@ -26,7 +26,7 @@ from typing import Any
 
 from eaglenest.engines.runtime import TargetRunner
 from eaglenest.speculative.decoder import AcceptStats, SpecDecoder, plain_greedy
-from eaglenest.speculative.kernels import amx, amx_available
+from eaglenest.speculative.kernels import amx, amx_available, cpu_flags
 from eaglenest.speculative.onednn import OneDNN
 from eaglenest.speculative.tree import SpecShape
 
@@ -314,12 +314,10 @@ def run_record(result: SideBySide, *, argv: Sequence[str], load_before: tuple[fl
             return ""
 
     cpu = ""
-    flags: list[str] = []
     with contextlib.suppress(OSError):
         info = Path("/proc/cpuinfo").read_text()
         cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-        line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-        flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in line.split()]
+    flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in cpu_flags()]  # (those that matter)
     return {"command": list(argv), "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": {"host": platform.node(), "cpu": cpu, "cpu_flags": flags, "cpus": os.cpu_count(),

@@ -98,6 +98,25 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
     return None if mod is None else mod.skinny_linear
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as the kernel lists them (empty where ``cpuinfo`` cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_class(flags: frozenset[str] | None = None) -> str:
+    """Which kind of CPU a measured default belongs to: ``amx`` where speculation's forwards run on the tile unit
+    (AMX-BF16, unless ``EAGLENEST_AMX=0``), else ``no-amx``. The two rank speculation shapes differently (a tree's
+    wider verify is nearly free on AMX, not on AVX512), so each keeps its own. Read from the flags alone: no build."""
+    flags = cpu_flags() if flags is None else flags
+    on = {"amx_bf16", "amx_tile"} <= flags and os.environ.get("EAGLENEST_AMX", "1") != "0"
+    return "amx" if on else "no-amx"
+
+
 def amx_available() -> bool:
     """Whether :func:`skinny_linear` can run bf16 weights on AMX here (inside :func:`amx`)."""
     mod = _module()

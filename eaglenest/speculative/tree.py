@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.atomic import atomic_write_bytes
+from eaglenest.speculative.kernels import cpu_class
 from eaglenest.speculative.quant import QUANTS
 
 PROB_DECIMALS = 10
@@ -179,20 +180,32 @@ def accept(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], int]:
 
 
 BEST_SHAPE_FILE = Path(__file__).with_name("cpu_shape.json")
-"""The shape the embedded decoder uses by default: the fastest one ``scripts/bench_spec_cpu.py
---shapes ... --save-shape`` measured (its JSON names the run: command, drafter, date, numbers)."""
+"""The shapes the embedded decoder uses by default, one per kind of CPU
+(:func:`~eaglenest.speculative.kernels.cpu_class`: ``{"by_cpu": {"amx": {...}, "no-amx": {...}}}``): the fastest
+one ``scripts/bench_spec_cpu.py --shapes ... --save-shape`` measured on such a CPU (each entry names its run:
+command, drafter, date, numbers)."""
 
 
-def measured_best_shape(path: Path = BEST_SHAPE_FILE) -> SpecShape:
-    """The default speculation shape of the embedded decoder (:data:`BEST_SHAPE_FILE`)."""
+def measured_best_shape(path: Path = BEST_SHAPE_FILE, cpu: str | None = None) -> SpecShape:
+    """The default speculation shape of the embedded decoder on this kind of CPU (``cpu``: this machine's class);
+    a kind never measured takes another kind's shape."""
     try:
-        return SpecShape.parse(json.loads(path.read_text())["shape"])
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"{path}: no readable best speculation shape ({e}); run scripts/bench_spec_cpu.py "
+        by_cpu = json.loads(path.read_text())["by_cpu"]
+        entry = by_cpu.get(cpu or cpu_class()) or next(iter(by_cpu.values()))
+        return SpecShape.parse(entry["shape"])
+    except (OSError, KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:
+        raise ValueError(f"{path}: no readable best speculation shape ({e!r}); run scripts/bench_spec_cpu.py "
                          "--shapes ... --save-shape") from None
 
 
-def save_best_shape(shape: SpecShape, evidence: dict, path: Path = BEST_SHAPE_FILE) -> Path:
-    atomic_write_bytes(path, (json.dumps({"shape": shape.name, **shape.to_json(), "measured": evidence},
-                                         indent=1) + "\n").encode())
+def save_best_shape(shape: SpecShape, evidence: dict, path: Path = BEST_SHAPE_FILE, cpu: str | None = None) -> Path:
+    """Make ``shape`` the default on this kind of CPU (``cpu``: this machine's class), keeping the other kinds'."""
+    by_cpu: dict = {}
+    if path.exists():
+        try:
+            by_cpu = dict(json.loads(path.read_text())["by_cpu"])
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a file of best shapes ({e!r}); move it aside to start a new one") from None
+    by_cpu[cpu or cpu_class()] = {"shape": shape.name, **shape.to_json(), "measured": evidence}
+    atomic_write_bytes(path, (json.dumps({"by_cpu": dict(sorted(by_cpu.items()))}, indent=1) + "\n").encode())
     return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,8 +12,17 @@ from spec_support import one_thread, random_prompts
 from eaglenest.speculative.decoder import SpecDecoder, plain_greedy
 from eaglenest.speculative.draft import load_exported_drafter
 from eaglenest.speculative.drafting import DraftState, Eagle3Proposer, FastDrafter
+from eaglenest.speculative.kernels import cpu_class, cpu_flags
 from eaglenest.speculative.serve import SpecConfig, load_spec_decoder
-from eaglenest.speculative.tree import DraftTree, SpecShape, accept, measured_best_shape, save_best_shape, verify_inputs
+from eaglenest.speculative.tree import (
+    BEST_SHAPE_FILE,
+    DraftTree,
+    SpecShape,
+    accept,
+    measured_best_shape,
+    save_best_shape,
+    verify_inputs,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +110,36 @@ def test_best_shape_file_round_trip(tmp_path):
     assert isinstance(measured_best_shape(), SpecShape)  # the shipped file is readable
     with pytest.raises(ValueError, match="no readable"):
         measured_best_shape(tmp_path / "missing.json")
+
+
+def test_best_shape_is_kept_per_kind_of_cpu(tmp_path):
+    """A tree wins where AMX makes a wide verify cheap, a chain where it does not: saving one kind's shape keeps the
+    other's, each machine reads its own kind's, and a kind never measured takes another's."""
+    path = tmp_path / "s.json"
+    save_best_shape(SpecShape(depth=3, topk=2, draft_tokens=6, quant="q4"), {"speedup": 1.69}, path, cpu="amx")
+    assert measured_best_shape(path, cpu="no-amx").name == "tree3x2n6q4"  # only AMX measured yet
+    save_best_shape(SpecShape(depth=3, quant="q4"), {"speedup": 1.42}, path, cpu="no-amx")
+    assert measured_best_shape(path, cpu="amx").name == "tree3x2n6q4"
+    assert measured_best_shape(path, cpu="no-amx").name == "chain3q4"
+    saved = json.loads(path.read_text())["by_cpu"]
+    assert saved["no-amx"]["measured"] == {"speedup": 1.42} and saved["amx"]["measured"] == {"speedup": 1.69}
+    shipped = json.loads(BEST_SHAPE_FILE.read_text())["by_cpu"]  # both kinds measured, each with its evidence
+    assert {"amx", "no-amx"} <= set(shipped) and all(e["measured"]["result_file"] for e in shipped.values())
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a file of best shapes"):
+        save_best_shape(SpecShape(depth=2), {}, path, cpu="amx")  # the other kind's entry is not overwritten blind
+
+
+def test_cpu_class_from_flags(monkeypatch, tmp_path):
+    monkeypatch.delenv("EAGLENEST_AMX", raising=False)
+    assert cpu_class(frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})) == "amx"
+    assert cpu_class(frozenset({"avx512f", "avx512_bf16"})) == "no-amx"
+    monkeypatch.setenv("EAGLENEST_AMX", "0")  # the decoder never runs on AMX then: its shape is the other kind's
+    assert cpu_class(frozenset({"amx_bf16", "amx_tile"})) == "no-amx"
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    assert cpu_flags(info) == {"fpu", "avx512f", "amx_bf16", "amx_tile"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
 def test_verify_mask_and_acceptance_by_hand():
