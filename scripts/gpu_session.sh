@@ -176,6 +176,10 @@ baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their valu
   printf '%s' "${out[*]}"
 }
 
+grid_names() {  # $1 a gpu_sweep grid JSON: its configs' names, which are also its drafters' names
+  python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$1"
+}
+
 run() {  # log the exact command line, then run it
   echo "$(date -u +%FT%TZ) $*" | tee -a "$W/commands.txt" >&2
   "$@"
@@ -537,7 +541,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   run env OUT="$R" python3 scripts/gpu_sweep.py --store "$TRAIN_DATA" --target "$MODEL" --grid "$grid" \
     "${evals[@]}" --epochs "$epochs" --eval-every 200 --max-minutes "${TRAIN_MINUTES:-8.5}" --work /tmp/sweep
   for d in /tmp/sweep/*/; do cp "$d/result.json" "$R/result-$(basename "$d").json" 2>/dev/null || true; done
-  for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
+  for name in $(grid_names "$grid"); do
     run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
     # AVERAGE=1 (with INIT_FROM): also NAME-avg, the mean of the continued drafter's weights and those it started
     # from (`eaglenest average`: n9 + n10 beat both offline, results/2026-12-05g-cpu); bench DRAFTERS="NAME NAME-avg"
@@ -549,7 +553,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   # the drafters come back (parts of <= 15 MB) for the CPU benchmark: as many as fit this call's 8 files beside
   # train.tgz; the rest come back with the bench call (listed in $W/drafters-left.txt)
   : > "$W/drafters-left.txt"
-  for name in $(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$grid"); do
+  for name in $(grid_names "$grid"); do
     send_back "$name" 7 || echo "$name" >> "$W/drafters-left.txt"
   done
   ;;
@@ -567,10 +571,8 @@ bench)
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
-  drafters=${DRAFTERS:-wide}  # (unset: the last train call's drafters, the keys of its grid)
-  if [ -z "${DRAFTERS:-}" ] && [ -f "$W/trained-grid.json" ]; then
-    drafters=$(python3 -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))))" "$W/trained-grid.json")
-  fi
+  drafters=${DRAFTERS:-wide}  # (unset: the last train call's drafters)
+  [ -n "${DRAFTERS:-}" ] || [ ! -f "$W/trained-grid.json" ] || drafters=$(grid_names "$W/trained-grid.json")
   if [ "$drafters" = best ]; then  # the train step's drafters, the highest offline MT-Bench accept length @3 first
     drafters=$(python3 -c "
 import glob, json, os
