@@ -98,8 +98,10 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
     return None if mod is None else mod.skinny_linear
 
 
+@functools.cache
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags as the kernel lists them (empty where ``cpuinfo`` cannot be read)."""
+    """The CPU's feature flags as the kernel lists them (empty where ``cpuinfo`` cannot be read); read once per
+    process (the default shape is looked up whenever a bench config resolves its shape)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
