@@ -86,6 +86,29 @@ def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | 
     return "measured alone in this run, before EAGLE3 (not alternated)"
 
 
+def load_baseline(path: str, prompt_sets: list[str], concurrencies: list[int]) -> dict[str, ServerResult]:
+    """A reused baseline (server_baseline.json), refused with what it lacks unless it covers every prompt set and
+    concurrency of this run and was measured alone (a baseline of alternating rounds ran beside EAGLE3 on a share
+    of the GPU's memory). 2026-12-06c: a one-level baseline of a --rounds run was reused for c=1,16, and the run
+    failed after the EAGLE3 launch on a missing level."""
+    runs = {n: ServerResult.from_json(d) for n, d in json.loads(Path(path).read_text()).items()}
+    problems = []
+    for name in prompt_sets:
+        have = runs.get(name)
+        if have is None:
+            problems.append(f"no prompt set {name!r} (it has {sorted(runs)})")
+            continue
+        levels = sorted(lv.concurrency for lv in have.levels)
+        missing = sorted(set(concurrencies) - set(levels))
+        if missing:
+            problems.append(f"{name!r} lacks concurrency {missing} (it has {levels})")
+        if have.round_tok_s:
+            problems.append(f"{name!r} was measured in alternating rounds beside EAGLE3, not alone")
+    if problems:
+        raise ValueError(f"--baseline-json {path} does not fit this run: " + "; ".join(problems))
+    return runs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -106,7 +129,9 @@ def main() -> int:
     ap.add_argument("--target-concurrency", type=int, default=1)
     ap.add_argument("--min-speedup", type=float, default=1.0)
     ap.add_argument("--only", choices=["baseline", "eagle3"], default=None)
-    ap.add_argument("--baseline-json", default=None, help="reuse a measured baseline (server_baseline.json)")
+    ap.add_argument("--baseline-json", default=None,
+                    help="reuse a measured baseline (server_baseline.json) when it covers this run's prompt sets and "
+                         "concurrencies and ran alone; otherwise one is measured (with --only eagle3: an error)")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--mem-fraction-static", type=float, default=None)
     ap.add_argument("--sglang-arg", action="append", default=[])
@@ -192,17 +217,20 @@ def main() -> int:
         print(f"{label}: started in {first.startup_s:.0f} s", flush=True)
         return res
 
+    baseline = None
+    if a.baseline_json and a.rounds == 1:
+        try:
+            baseline = load_baseline(a.baseline_json, list(sets), base["concurrencies"])
+        except (OSError, ValueError) as e:
+            if a.only == "eagle3":
+                ap.error(str(e))
+            print(f"{e}; measuring one instead", flush=True)  # a reused baseline only saves a launch
+            a.baseline_json = None
     how = baseline_provenance(a.rounds, a.baseline_json)
-    if a.rounds > 1:
-        baseline = None
-    elif a.baseline_json:
-        baseline = {n: ServerResult.from_json(d) for n, d in json.loads(Path(a.baseline_json).read_text()).items()}
-    elif a.only != "eagle3":
+    if a.rounds == 1 and baseline is None:  # (--only eagle3 always has one here)
         baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
         if baseline is None:
             return 1
-    else:
-        return 0
     if a.only == "baseline":
         return 0
     matrix = []

@@ -601,13 +601,19 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     fi
     # ROUNDS > 1: baseline and EAGLE3 up together, each level in alternating rounds (no reused baseline)
     [ "${ROUNDS:-1}" = 1 ] || base=(--rounds "$ROUNDS")
-    mkdir -p "$R/grid-$name"
-    run env OUT="$R/grid-$name" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
+    # each grid in a folder of its own (steps, topk, time): a later tree on the same drafter no longer writes over
+    # the steps-3 matrix, and only a baseline this very grid measured alone becomes the one later benches reuse
+    # (2026-12-06c: a rounds grid's one-level baseline, left in a shared folder, was cached after the next grid)
+    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}-$(date -u +%H%M%S)"
+    mkdir -p "$g"
+    run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
       --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
       || echo "grid $name exited $?" >&2
-    # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused)
-    if [ "${ROUNDS:-1}" = 1 ] && cp -p "$R/grid-$name/server_baseline.json" "$W/" 2>/dev/null; then
+    # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused; $g holds a baseline only
+    # when this grid measured one: none when it reused the cached one, which it does only if that covers its prompt
+    # sets and levels)
+    if [ "${ROUNDS:-1}" = 1 ] && cp -p "$g/server_baseline.json" "$W/" 2>/dev/null; then
       baseline_flags > "$W/server_baseline.args"
     fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
@@ -615,7 +621,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     if [ "${CALIB:-0}" = 1 ]; then
       mkdir -p "$R/calib-$name"
       run env OUT="$R/calib-$name" python3 scripts/gpu_calibrate.py --model "$MODEL" --draft "$draft" \
-        --prompts /tmp/gpu/calib-first.jsonl --work /tmp/calib --live "$R/grid-$name/matrix.json" \
+        --prompts /tmp/gpu/calib-first.jsonl --work /tmp/calib --live "$g/matrix.json" \
         || echo "calibration $name exited $?" >&2
     fi
   done

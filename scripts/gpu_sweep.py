@@ -41,6 +41,16 @@ PRESET = {
 }
 
 
+def sweep_config(over: dict, schedule: dict, fixed: dict) -> dict:
+    """One grid config's TrainConfig fields: BASE, the sweep's ``schedule`` (epochs, eval_every, max_minutes),
+    the config's own ``over`` on both, then ``fixed`` (store, target, out_dir, eval sets: never the grid's).
+    A config that continues a drafter (``init_from``) keeps that drafter's vocabulary unless it names one: BASE's
+    32000 would contradict a 16000-token drafter (2026-12-06c: a continuation was refused for a size its grid
+    never asked for)."""
+    base = {k: v for k, v in BASE.items() if not (over.get("init_from") and k == "draft_vocab_size")}
+    return {**base, **schedule, **over, **fixed}
+
+
 def worker(config_path: str) -> int:
     import logging
 
@@ -83,9 +93,9 @@ def main() -> int:
     procs = {}
     configs = {}
     for name, over in grid.items():
-        cfg = TrainConfig(**{**BASE, "epochs": a.epochs, "eval_every": a.eval_every, "max_minutes": a.max_minutes,
-                             **over, "store": a.store, "target": a.target, "out_dir": str(work / name),
-                             "eval_sets": eval_sets})
+        cfg = TrainConfig(**sweep_config(
+            over, {"epochs": a.epochs, "eval_every": a.eval_every, "max_minutes": a.max_minutes},
+            {"store": a.store, "target": a.target, "out_dir": str(work / name), "eval_sets": eval_sets}))
         configs[name] = cfg
         (work / f"{name}.json").write_text(cfg.model_dump_json())
         log = open(work / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it until it exits)
@@ -122,6 +132,8 @@ def main() -> int:
         last = {s: {d: round(v, 3) for d, v in (pts[-1]["accept_length_cycles"] or {}).items() if d in ("3", "7")}
                 for s, pts in c["curves"].items() if pts}
         print(name, c["result"] and c["result"]["status"], "accept length per cycle", last, flush=True)
+        if c["log_tail"]:  # a config that wrote no result: why (its log stays in --work, which does not come back)
+            print(f"{name} exited {c['exit_code']} without a result; its log ends:\n{c['log_tail']}", flush=True)
     return 0 if all(p.returncode == 0 for p in procs.values()) else 1
 
 

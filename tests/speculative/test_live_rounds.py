@@ -142,3 +142,36 @@ def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
     assert provenance(1, str(cached), now=1000.0 + 12 * 60) == (
         f"reused: {cached}, written 12 min before this run (not alternated)")
     assert provenance(1, None) == "measured alone in this run, before EAGLE3 (not alternated)"
+
+
+def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
+    """gpu_bench_grid.py --baseline-json: a baseline lacking a prompt set or a level, or one measured in alternating
+    rounds beside EAGLE3, is refused before any server starts, naming what it lacks (2026-12-06c: a one-level
+    rounds baseline was reused for c=1,16 and the run died on the missing level after the EAGLE3 launch)."""
+    from eaglenest.speculative.live import ServerResult
+    from eaglenest.speculative.loadgen import LevelResult
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    load = runpy.run_path(str(script))["load_baseline"]
+
+    def level(c: int) -> LevelResult:
+        return LevelResult(concurrency=c, requests=40, errors=0, duration_s=1.0, output_tokens=800, output_tok_s=800.0,
+                           requests_per_s=40.0, latency_mean_s=0.2, latency_p50_s=0.2, latency_p90_s=0.3,
+                           latency_p99_s=0.3, accept_length=None)
+
+    def write(runs: dict[str, ServerResult]) -> str:
+        path = tmp_path / "server_baseline.json"
+        path.write_text(json.dumps({n: r.to_json() for n, r in runs.items()}))
+        return str(path)
+
+    alone = ServerResult(name="baseline", cmd=[], levels=[level(1), level(16)], server_accept_length=None, startup_s=9)
+    ok = write({"mt-bench": alone, "humaneval": alone})
+    assert set(load(ok, ["mt-bench"], [1, 16])) == {"mt-bench", "humaneval"}
+    with pytest.raises(ValueError, match=r"'mt-bench' lacks concurrency \[64\]"):
+        load(ok, ["mt-bench"], [1, 64])
+    with pytest.raises(ValueError, match="no prompt set 'sharegpt'"):
+        load(ok, ["mt-bench", "sharegpt"], [1])
+    rounds = ServerResult(name="baseline", cmd=[], levels=[level(1)], server_accept_length=None, startup_s=9,
+                          round_tok_s={"1": [850.0, 849.0, 848.0]})
+    with pytest.raises(ValueError, match="alternating rounds beside EAGLE3, not alone"):
+        load(write({"mt-bench": rounds}), ["mt-bench"], [1])
