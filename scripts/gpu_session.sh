@@ -508,11 +508,12 @@ print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', b
   # 143.6K alone at gpu_sweep's 32K tokens a step (vocab 32000, 2026-12-04)
   # TRAIN_TOK_S by card and kernel when not given, one config alone: the ops 116.9-122.2K tok/s on the H100 (n5, n6),
   # 143.6K on the H200 (n2); the Triton kernels 155.6K on the H100 (n7; sized for the ops, its schedule ended after
-  # 207 s of 312) and 189.2K on the H200 (n8; sized for 160K, it ended after 292 s of 390): a little under what was
-  # measured, since a schedule that does not finish in TRAIN_MINUTES is cut before its learning rate has decayed
+  # 207 s of 312), 192K (n9) and 222K (n12, 32K-token steps on 10.2M tokens; sized for 150K, it ended after 312 s
+  # of 450), and 189.2K and 177K on the H200 (n8, n11): a little under the slower of what was measured, since a
+  # schedule that does not finish in TRAIN_MINUTES is cut before its learning rate has decayed
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
   case "$card/$kernel" in
-    *H100*/triton) tok_s=${TRAIN_TOK_S:-150000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
+    *H100*/triton) tok_s=${TRAIN_TOK_S:-175000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
     */triton) tok_s=${TRAIN_TOK_S:-180000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
   esac
   epochs=${EPOCHS:-$(python3 -c "
