@@ -120,6 +120,18 @@
 # Next: continue n11 (INIT_FROM=parts:n11, .gpu-drafters/parts-n11; draft vocab 16000, where n6..n10 had 32000) on seed
 # 13 and replay seed 12's answers (.gpu-logs/regen-logs-train-1tc-t1-l40000-self12x14000.tar.xz.part*: same SOURCE,
 # LIMIT, SELF_COUNT, SELF_SEED capture them without regenerating); DRAFTER_NAME=n12 names the new drafter's parts.
+# n12 (results/2026-12-06c-h100, H100 at once, 1,608 s used), from nothing again (n11 and its answers were lost with
+# the checkout; ~8 min to rebuild .venv, .device and .gpu first): setup x2, ONE data call (SELF_COUNT=20000 SELF_SEED=13
+# STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction EXTRACT_S=425
+# STOP_VALIDATE_S=55 in the run tool's 600 s: launch 99 s, 20K prompts 52 s, 285 s of stream, 21,733 samples, 10.2M
+# tokens, 47 GB), train (DRAFTER_NAME=n12 TRAIN_MINUTES=7.5: 5.9 epochs, 1,906 steps, 59.5M tokens at 222K tok/s,
+# done in 312 s), bench, 7x8x48 with ROUNDS=3, 6x8x48. Steps 3: 2.43 / 2.43 MT-Bench, 2.86 / 2.86 HumanEval, 2.64 /
+# 2.66 ShareGPT: the best from nothing (n11 2.13, n2 2.19) and level with n9n10 on MT-Bench after four windows;
+# trees 7x8x48 3.96 at 1.27x (rounds 1.25-1.30), 6x8x48 3.84 at 1.31x (its cycle 3.49 ms against 7x8x48's 3.68:
+# n11's 6.3 ms did not come back). n12 continued at lr 3e-4 for 1.2 epochs on the same data (n12c) gained 0.03
+# offline and nothing live (MT-Bench 2.42). Next (from nothing, if the assets are gone again): the same data call
+# (a new seed), a second data call at once for the ~15 GB the disk still had (~3M tokens more; the disk guard stops
+# it at 4 GB free), train with TRAIN_MINUTES=7 (TRAIN_TOK_S on the H100 now 175K), bench, trees with ROUNDS=3.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
