@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
 from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
 from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
+from eaglenest.speculative.loadgen import requests_for
 from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
@@ -86,27 +87,36 @@ def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | 
     return "measured alone in this run, before EAGLE3 (not alternated)"
 
 
-def load_baseline(path: str, prompt_sets: list[str], concurrencies: list[int]) -> dict[str, ServerResult]:
-    """A reused baseline (server_baseline.json), refused with what it lacks unless it covers every prompt set and
-    concurrency of this run and was measured alone (a baseline of alternating rounds ran beside EAGLE3 on a share
-    of the GPU's memory). 2026-12-06c: a one-level baseline of a --rounds run was reused for c=1,16, and the run
-    failed after the EAGLE3 launch on a missing level."""
-    runs = {n: ServerResult.from_json(d) for n, d in json.loads(Path(path).read_text()).items()}
+def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: list[int],
+                      requests_per_level: int | None = None) -> tuple[dict[str, ServerResult] | None, str]:
+    """A reused baseline (server_baseline.json) and "", or None and why it does not fit: it must hold every prompt
+    set and concurrency of this run, each level with this run's number of requests (the same prompts), and must
+    have run alone (a baseline of alternating rounds ran beside EAGLE3 on a share of the GPU's memory).
+    2026-12-06c: a one-level baseline of a --rounds run was reused for c=1,16, and the run failed after the EAGLE3
+    launch on a missing level."""
+    try:
+        runs = {n: ServerResult.from_json(d) for n, d in json.loads(Path(path).read_text()).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"--baseline-json {path} does not read as a baseline ({type(e).__name__}: {e})"
     problems = []
-    for name in prompt_sets:
+    for name, num_prompts in prompt_counts.items():
         have = runs.get(name)
         if have is None:
             problems.append(f"no prompt set {name!r} (it has {sorted(runs)})")
             continue
-        levels = sorted(lv.concurrency for lv in have.levels)
+        levels = {lv.concurrency: lv.requests for lv in have.levels}
         missing = sorted(set(concurrencies) - set(levels))
         if missing:
-            problems.append(f"{name!r} lacks concurrency {missing} (it has {levels})")
+            problems.append(f"{name!r} lacks concurrency {missing} (it has {sorted(levels)})")
+        for c in sorted(set(concurrencies) & set(levels)):
+            want = requests_per_level or requests_for(c, num_prompts)
+            if levels[c] != want:
+                problems.append(f"{name!r} at c={c} sent {levels[c]} requests, this run sends {want}")
         if have.round_tok_s:
             problems.append(f"{name!r} was measured in alternating rounds beside EAGLE3, not alone")
     if problems:
-        raise ValueError(f"--baseline-json {path} does not fit this run: " + "; ".join(problems))
-    return runs
+        return None, f"--baseline-json {path} does not fit this run: " + "; ".join(problems)
+    return runs, ""
 
 
 def main() -> int:
@@ -219,12 +229,12 @@ def main() -> int:
 
     baseline = None
     if a.baseline_json and a.rounds == 1:
-        try:
-            baseline = load_baseline(a.baseline_json, list(sets), base["concurrencies"])
-        except (OSError, ValueError) as e:
+        baseline, why = reusable_baseline(a.baseline_json, {n: len(p.token_ids) for n, p in sets.items()},
+                                          base["concurrencies"], a.requests_per_level)
+        if baseline is None:
             if a.only == "eagle3":
-                ap.error(str(e))
-            print(f"{e}; measuring one instead", flush=True)  # a reused baseline only saves a launch
+                ap.error(why)
+            print(f"{why}; measuring one instead", flush=True)  # a reused baseline only saves a launch
             a.baseline_json = None
     how = baseline_provenance(a.rounds, a.baseline_json)
     if a.rounds == 1 and baseline is None:  # (--only eagle3 always has one here)

@@ -126,12 +126,12 @@
 # STOP_VALIDATE_S=55 in the run tool's 600 s: launch 99 s, 20K prompts 52 s, 285 s of stream, 21,733 samples, 10.2M
 # tokens, 47 GB), train (DRAFTER_NAME=n12 TRAIN_MINUTES=7.5: 5.9 epochs, 1,906 steps, 59.5M tokens at 222K tok/s,
 # done in 312 s), bench, 7x8x48 with ROUNDS=3, 6x8x48. Steps 3: 2.43 / 2.43 MT-Bench, 2.86 / 2.86 HumanEval, 2.64 /
-# 2.66 ShareGPT: the best from nothing (n11 2.13, n2 2.19) and level with n9n10 on MT-Bench after four windows;
+# 2.66 ShareGPT: the best from nothing (n11 2.13, n2 2.19), within 0.04 of n9n10 on MT-Bench (four windows);
 # trees 7x8x48 3.96 at 1.27x (rounds 1.25-1.30), 6x8x48 3.84 at 1.31x (its cycle 3.49 ms against 7x8x48's 3.68:
 # n11's 6.3 ms did not come back). n12 continued at lr 3e-4 for 1.2 epochs on the same data (n12c) gained 0.03
 # offline and nothing live (MT-Bench 2.42). Next (from nothing, if the assets are gone again): the same data call
 # (a new seed), a second data call at once for the ~15 GB the disk still had (~3M tokens more; the disk guard stops
-# it at 4 GB free), train with TRAIN_MINUTES=7 (TRAIN_TOK_S on the H100 now 175K), bench, trees with ROUNDS=3.
+# it at 4 GB free), train with TRAIN_MINUTES=7 (TRAIN_TOK_S on the H100 now 165K), bench, trees with ROUNDS=3.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -186,6 +186,15 @@ baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their valu
     case "$a" in --speculative-*=*) ;; --speculative-*) skip=1 ;; *) out+=("$a") ;; esac
   done
   printf '%s' "${out[*]}"
+}
+
+baseline_covers() {  # $1 a baseline JSON, $2 another: does $1 hold every prompt set and level of $2?
+  python3 -c "
+import json, sys
+new, old = (json.load(open(p)) for p in sys.argv[1:3])
+have = {(n, lv['concurrency'], lv['requests']) for n, r in new.items() for lv in r['levels']}
+sys.exit(0 if all((n, lv['concurrency'], lv['requests']) in have for n, r in old.items() for lv in r['levels']) else 1)
+" "$1" "$2" 2>/dev/null
 }
 
 grid_names() {  # $1 a gpu_sweep grid JSON: its configs' names, which are also its drafters' names
@@ -489,8 +498,13 @@ r = check_kernels('cuda')
 print(json.dumps(r))
 sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; fi
     if [ "${KL_AB:-0}" = 1 ]; then
-      # the grid's draft vocabulary (its first config's)
-      vocab=$(python3 -c "import json,sys; print(next(iter(json.load(open(sys.argv[1])).values())).get('draft_vocab_size', 32000))" "$grid")
+      # the grid's draft vocabulary (its first config's; a continued drafter's own when the config names none)
+      vocab=$(python3 -c "
+import json, os, sys
+cfg = next(iter(json.load(open(sys.argv[1])).values()))
+init = cfg.get('init_from')
+own = json.load(open(os.path.join(init, 'config.json'))).get('draft_vocab_size') if init else None
+print(cfg.get('draft_vocab_size') or own or 32000)" "$grid")
       for kern in torch triton torch triton; do
         left=$(( kl_end - $(date +%s) )); [ "$left" -gt 5 ] || break
         run env EAGLENEST_KL_KERNEL=$kern timeout "$left" python3 scripts/bench_train.py step --device cuda \
@@ -521,11 +535,12 @@ print('triton' if best.get('triton', 1e9) < best.get('torch', 0) else 'torch', b
   # TRAIN_TOK_S by card and kernel when not given, one config alone: the ops 116.9-122.2K tok/s on the H100 (n5, n6),
   # 143.6K on the H200 (n2); the Triton kernels 155.6K on the H100 (n7; sized for the ops, its schedule ended after
   # 207 s of 312), 192K (n9) and 222K (n12, 32K-token steps on 10.2M tokens; sized for 150K, it ended after 312 s
-  # of 450), and 189.2K and 177K on the H200 (n8, n11): a little under the slower of what was measured, since a
-  # schedule that does not finish in TRAIN_MINUTES is cut before its learning rate has decayed
+  # of 450), and 189.2K and 177K on the H200 (n8, n11): a little under what was measured (165K on the H100: n7's
+  # 155.6K then fills 90% of TRAIN_MINUTES before ~45 s of evals and start), since a schedule that does not finish
+  # in TRAIN_MINUTES is cut before its learning rate has decayed
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
   case "$card/$kernel" in
-    *H100*/triton) tok_s=${TRAIN_TOK_S:-175000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
+    *H100*/triton) tok_s=${TRAIN_TOK_S:-165000} ;; *H100*) tok_s=${TRAIN_TOK_S:-115000} ;;
     */triton) tok_s=${TRAIN_TOK_S:-180000} ;; *) tok_s=${TRAIN_TOK_S:-140000} ;;
   esac
   epochs=${EPOCHS:-$(python3 -c "
@@ -617,7 +632,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     # each grid in a folder of its own (steps, topk, time): a later tree on the same drafter no longer writes over
     # the steps-3 matrix, and only a baseline this very grid measured alone becomes the one later benches reuse
     # (2026-12-06c: a rounds grid's one-level baseline, left in a shared folder, was cached after the next grid)
-    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}-$(date -u +%H%M%S)"
+    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}-$(date -u +%H%M%S)"
     mkdir -p "$g"
     run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
@@ -625,9 +640,13 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused; $g holds a baseline only
     # when this grid measured one: none when it reused the cached one, which it does only if that covers its prompt
-    # sets and levels)
-    if [ "${ROUNDS:-1}" = 1 ] && cp -p "$g/server_baseline.json" "$W/" 2>/dev/null; then
-      baseline_flags > "$W/server_baseline.args"
+    # sets and levels). A narrower one (a tree's LEVELS=1 SETS=mt-bench) does not replace a cached wider one of the
+    # same flags: the next full bench would measure again (~150 s)
+    if [ "${ROUNDS:-1}" = 1 ] && [ -f "$g/server_baseline.json" ]; then
+      if [ ! -f "$W/server_baseline.json" ] || [ "$(cat "$W/server_baseline.args" 2>/dev/null)" != "$(baseline_flags)" ] \
+         || baseline_covers "$g/server_baseline.json" "$W/server_baseline.json"; then
+        cp -p "$g/server_baseline.json" "$W/" && baseline_flags > "$W/server_baseline.args"
+      else echo "kept the cached baseline: this grid's ($g) holds fewer prompt sets or levels" >&2; fi
     fi
     # the offline side is already in the train step's eval curves (the same calibration capture); CALIB=1
     # also scores the exported drafter (a check of the export) when the call has time left

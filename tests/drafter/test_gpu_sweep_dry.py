@@ -43,29 +43,23 @@ def test_sweep_dry_run_on_the_cpu(tiny_extract_params, capture_servers, tmp_path
     assert (out / "sweep.png").stat().st_size > 1000
 
 
-def _sweep_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_sweep", ROOT / "scripts" / "gpu_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_continued_config_keeps_its_drafters_vocabulary():
     """The sweep's base vocabulary (32000) reaches only fresh configs: a continuation that names no vocabulary
     leaves it unset, so the trainer keeps the drafter's own (a 16000-token drafter was refused before)."""
+    import runpy
+
     from eaglenest.drafter.config import TrainConfig
 
-    sweep = _sweep_module()
+    script = runpy.run_path(str(ROOT / "scripts" / "gpu_sweep.py"))
+    sweep_config, base = script["sweep_config"], script["BASE"]
     schedule = {"epochs": 2.0, "eval_every": 200, "max_minutes": 5.0}
     fixed = {"store": "/s", "target": "/t", "out_dir": "/o", "eval_sets": {}}
-    fresh = TrainConfig(**sweep.sweep_config({"lr": 2e-3}, schedule, fixed))
-    assert fresh.draft_vocab_size == sweep.BASE["draft_vocab_size"] and fresh.lr == 2e-3
-    cont = TrainConfig(**sweep.sweep_config({"lr": 3e-4, "init_from": "/d/n12"}, schedule, fixed))
+    fresh = TrainConfig(**sweep_config({"lr": 2e-3}, schedule, fixed))
+    assert fresh.draft_vocab_size == base["draft_vocab_size"] and fresh.lr == 2e-3
+    cont = TrainConfig(**sweep_config({"lr": 3e-4, "init_from": "/d/n12"}, schedule, fixed))
     assert cont.draft_vocab_size is None and cont.init_from == "/d/n12" and cont.epochs == 2.0
-    named = TrainConfig(**sweep.sweep_config({"init_from": "/d/n12", "draft_vocab_size": 16000}, schedule, fixed))
+    named = TrainConfig(**sweep_config({"init_from": "/d/n12", "draft_vocab_size": 16000}, schedule, fixed))
     assert named.draft_vocab_size == 16000
     # the grid may change the schedule, never where the run reads and writes
-    over = TrainConfig(**sweep.sweep_config({"epochs": 1.2, "out_dir": "/elsewhere"}, schedule, fixed))
+    over = TrainConfig(**sweep_config({"epochs": 1.2, "out_dir": "/elsewhere"}, schedule, fixed))
     assert over.epochs == 1.2 and over.out_dir == "/o"

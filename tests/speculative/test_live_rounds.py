@@ -145,33 +145,44 @@ def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
 
 
 def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
-    """gpu_bench_grid.py --baseline-json: a baseline lacking a prompt set or a level, or one measured in alternating
-    rounds beside EAGLE3, is refused before any server starts, naming what it lacks (2026-12-06c: a one-level
-    rounds baseline was reused for c=1,16 and the run died on the missing level after the EAGLE3 launch)."""
+    """gpu_bench_grid.py --baseline-json: a baseline lacking a prompt set or a level, sent another number of requests,
+    measured in alternating rounds beside EAGLE3, or not a baseline file at all, is not reused, and the reason names
+    what it lacks (2026-12-06c: a one-level rounds baseline was reused for c=1,16 and the run died on the missing
+    level after the EAGLE3 launch)."""
     from eaglenest.speculative.live import ServerResult
     from eaglenest.speculative.loadgen import LevelResult
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
-    load = runpy.run_path(str(script))["load_baseline"]
+    reusable = runpy.run_path(str(script))["reusable_baseline"]
 
-    def level(c: int) -> LevelResult:
-        return LevelResult(concurrency=c, requests=40, errors=0, duration_s=1.0, output_tokens=800, output_tok_s=800.0,
-                           requests_per_s=40.0, latency_mean_s=0.2, latency_p50_s=0.2, latency_p90_s=0.3,
-                           latency_p99_s=0.3, accept_length=None)
+    def level(c: int, requests: int = 40) -> LevelResult:
+        return LevelResult(concurrency=c, requests=requests, errors=0, duration_s=1.0, output_tokens=800,
+                           output_tok_s=800.0, requests_per_s=40.0, latency_mean_s=0.2, latency_p50_s=0.2,
+                           latency_p90_s=0.3, latency_p99_s=0.3, accept_length=None)
 
-    def write(runs: dict[str, ServerResult]) -> str:
-        path = tmp_path / "server_baseline.json"
+    def write(runs: dict[str, ServerResult], name: str = "server_baseline.json") -> str:
+        path = tmp_path / name
         path.write_text(json.dumps({n: r.to_json() for n, r in runs.items()}))
         return str(path)
 
     alone = ServerResult(name="baseline", cmd=[], levels=[level(1), level(16)], server_accept_length=None, startup_s=9)
     ok = write({"mt-bench": alone, "humaneval": alone})
-    assert set(load(ok, ["mt-bench"], [1, 16])) == {"mt-bench", "humaneval"}
-    with pytest.raises(ValueError, match=r"'mt-bench' lacks concurrency \[64\]"):
-        load(ok, ["mt-bench"], [1, 64])
-    with pytest.raises(ValueError, match="no prompt set 'sharegpt'"):
-        load(ok, ["mt-bench", "sharegpt"], [1])
+    runs, why = reusable(ok, {"mt-bench": 40}, [1, 16])
+    assert set(runs) == {"mt-bench", "humaneval"} and why == ""
+
+    def refused(path: str, counts: dict[str, int], levels: list[int], **kw) -> str:
+        runs, why = reusable(path, counts, levels, **kw)
+        assert runs is None
+        return why
+
+    assert "'mt-bench' lacks concurrency [64]" in refused(ok, {"mt-bench": 40}, [1, 64])
+    assert "no prompt set 'sharegpt'" in refused(ok, {"mt-bench": 40, "sharegpt": 40}, [1])
+    assert "'mt-bench' at c=1 sent 40 requests, this run sends 80" in refused(ok, {"mt-bench": 80}, [1])
+    assert "this run sends 8" in refused(ok, {"mt-bench": 40}, [16], requests_per_level=8)
     rounds = ServerResult(name="baseline", cmd=[], levels=[level(1)], server_accept_length=None, startup_s=9,
                           round_tok_s={"1": [850.0, 849.0, 848.0]})
-    with pytest.raises(ValueError, match="alternating rounds beside EAGLE3, not alone"):
-        load(write({"mt-bench": rounds}), ["mt-bench"], [1])
+    assert "alternating rounds beside EAGLE3, not alone" in refused(write({"mt-bench": rounds}), {"mt-bench": 40}, [1])
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text('{"mt-bench": {"levels": 3}}')
+    assert "does not read as a baseline" in refused(str(garbled), {"mt-bench": 40}, [1])
+    assert "does not read as a baseline" in refused(str(tmp_path / "missing.json"), {"mt-bench": 40}, [1])
