@@ -41,7 +41,8 @@ CPU_DEMO_NOTE = (
     "first turns and coding prompts, all answered by the target; a 4x-wide draft MLP continued over several GPU "
     "windows) accepts 2.45-2.58 live on MT-Bench in SGLang at 3 draft steps, and its drafter served as SGLang's "
     "default 7x8x48 tree accepts 4.57 per cycle at 1.44x plain decoding in alternating rounds (1.51x against a "
-    "baseline measured alone) on an H100, measured 2026-12-06 (results/2026-12-06-h100).")
+    "baseline measured alone) on an H100, measured 2026-12-06 (results/2026-12-06-h100); from nothing in one GPU "
+    "window it accepts 2.43 (results/2026-12-06c-h100).")
 """What the demo's headline says plainly about its numbers (the measured GPU recipe, for scale)."""
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
