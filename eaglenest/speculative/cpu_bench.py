@@ -18,7 +18,6 @@ Owns the measurement protocol behind ``scripts/bench_spec_cpu.py`` and ``eaglene
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 from eaglenest.engines.runtime import TargetRunner
 from eaglenest.speculative.decoder import AcceptStats, SpecDecoder, plain_greedy
-from eaglenest.speculative.kernels import amx, amx_available, cpu_flags
+from eaglenest.speculative.kernels import amx, amx_available, cpu_flags, cpu_model
 from eaglenest.speculative.onednn import OneDNN
 from eaglenest.speculative.tree import SpecShape
 
@@ -313,14 +312,10 @@ def run_record(result: SideBySide, *, argv: Sequence[str], load_before: tuple[fl
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    cpu = ""
-    with contextlib.suppress(OSError):
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
     flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in cpu_flags()]  # (those that matter)
     return {"command": list(argv), "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": {"host": platform.node(), "cpu": cpu, "cpu_flags": flags, "cpus": os.cpu_count(),
+            "machine": {"host": platform.node(), "cpu": cpu_model(), "cpu_flags": flags, "cpus": os.cpu_count(),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
             "result": result.to_json()}

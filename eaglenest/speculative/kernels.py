@@ -45,11 +45,7 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512
 
 
 def _cpu_has_avx512_bf16() -> bool:
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
+    return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
 def build_dir() -> Path:
@@ -99,15 +95,27 @@ def skinny_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
 
 
 @functools.cache
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags as the kernel lists them (empty where ``cpuinfo`` cannot be read); read once per
-    process (the default shape is looked up whenever a bench config resolves its shape)."""
+def _cpuinfo(path: Path) -> str:
+    """``/proc/cpuinfo`` (or ``path``), read once per process ("" where it cannot be read): the default shape is
+    looked up whenever a bench config resolves its shape."""
     try:
-        text = cpuinfo.read_text()
+        return path.read_text()
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+
+
+def _cpuinfo_field(name: str, path: Path) -> str:
+    return next((ln.partition(":")[2].strip() for ln in _cpuinfo(path).splitlines() if ln.startswith(name)), "")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as the kernel lists them (empty where ``cpuinfo`` cannot be read)."""
+    return frozenset(_cpuinfo_field("flags", cpuinfo).split())
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as the kernel gives it ("" where ``cpuinfo`` cannot be read)."""
+    return _cpuinfo_field("model name", cpuinfo)
 
 
 def cpu_class(flags: frozenset[str] | None = None) -> str:

@@ -12,7 +12,7 @@ from spec_support import one_thread, random_prompts
 from eaglenest.speculative.decoder import SpecDecoder, plain_greedy
 from eaglenest.speculative.draft import load_exported_drafter
 from eaglenest.speculative.drafting import DraftState, Eagle3Proposer, FastDrafter
-from eaglenest.speculative.kernels import cpu_class, cpu_flags
+from eaglenest.speculative.kernels import cpu_class, cpu_flags, cpu_model
 from eaglenest.speculative.serve import SpecConfig, load_spec_decoder
 from eaglenest.speculative.tree import (
     BEST_SHAPE_FILE,
@@ -138,8 +138,8 @@ def test_cpu_class_from_flags(monkeypatch, tmp_path):
     assert cpu_class(frozenset({"amx_bf16", "amx_tile"})) == "no-amx"
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
-    assert cpu_flags(info) == {"fpu", "avx512f", "amx_bf16", "amx_tile"}
-    assert cpu_flags(tmp_path / "missing") == frozenset()
+    assert cpu_flags(info) == {"fpu", "avx512f", "amx_bf16", "amx_tile"} and cpu_model(info) == "X"
+    assert cpu_flags(tmp_path / "missing") == frozenset() and cpu_model(tmp_path / "missing") == ""
 
 
 def test_verify_mask_and_acceptance_by_hand():
