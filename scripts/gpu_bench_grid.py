@@ -87,6 +87,22 @@ def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | 
     return "measured alone in this run, before EAGLE3 (not alternated)"
 
 
+def read_baseline(path: str) -> dict[str, ServerResult]:
+    """A server_baseline.json: per prompt set, the baseline server's result."""
+    return {n: ServerResult.from_json(d) for n, d in json.loads(Path(path).read_text()).items()}
+
+
+def baseline_levels(runs: dict[str, ServerResult]) -> dict[tuple[str, int], int]:
+    """Each (prompt set, concurrency) a baseline measured, with the requests it sent there."""
+    return {(n, lv.concurrency): lv.requests for n, r in runs.items() for lv in r.levels}
+
+
+def baseline_covers(path: str, other: str) -> bool:
+    """Whether the baseline at ``path`` measured every (prompt set, concurrency, requests) the one at ``other``
+    did: a narrower one must not replace a wider cached one (gpu_session.sh's bench)."""
+    return baseline_levels(read_baseline(other)).items() <= baseline_levels(read_baseline(path)).items()
+
+
 def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: list[int],
                       requests_per_level: int | None = None) -> tuple[dict[str, ServerResult] | None, str]:
     """A reused baseline (server_baseline.json) and "", or None and why it does not fit: it must hold every prompt
@@ -95,24 +111,24 @@ def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: l
     2026-12-06c: a one-level baseline of a --rounds run was reused for c=1,16, and the run failed after the EAGLE3
     launch on a missing level."""
     try:
-        runs = {n: ServerResult.from_json(d) for n, d in json.loads(Path(path).read_text()).items()}
+        runs = read_baseline(path)
+        levels = baseline_levels(runs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"--baseline-json {path} does not read as a baseline ({type(e).__name__}: {e})"
     problems = []
     for name, num_prompts in prompt_counts.items():
-        have = runs.get(name)
-        if have is None:
+        if name not in runs:
             problems.append(f"no prompt set {name!r} (it has {sorted(runs)})")
             continue
-        levels = {lv.concurrency: lv.requests for lv in have.levels}
-        missing = sorted(set(concurrencies) - set(levels))
+        have = sorted(c for n, c in levels if n == name)
+        missing = sorted(set(concurrencies) - set(have))
         if missing:
-            problems.append(f"{name!r} lacks concurrency {missing} (it has {sorted(levels)})")
-        for c in sorted(set(concurrencies) & set(levels)):
+            problems.append(f"{name!r} lacks concurrency {missing} (it has {have})")
+        for c in sorted(set(concurrencies) & set(have)):
             want = requests_per_level or requests_for(c, num_prompts)
-            if levels[c] != want:
-                problems.append(f"{name!r} at c={c} sent {levels[c]} requests, this run sends {want}")
-        if have.round_tok_s:
+            if levels[name, c] != want:
+                problems.append(f"{name!r} at c={c} sent {levels[name, c]} requests, this run sends {want}")
+        if runs[name].round_tok_s:
             problems.append(f"{name!r} was measured in alternating rounds beside EAGLE3, not alone")
     if problems:
         return None, f"--baseline-json {path} does not fit this run: " + "; ".join(problems)
@@ -235,8 +251,7 @@ def main() -> int:
             if a.only == "eagle3":
                 ap.error(why)
             print(f"{why}; measuring one instead", flush=True)  # a reused baseline only saves a launch
-            a.baseline_json = None
-    how = baseline_provenance(a.rounds, a.baseline_json)
+    how = baseline_provenance(a.rounds, a.baseline_json if baseline is not None else None)
     if a.rounds == 1 and baseline is None:  # (--only eagle3 always has one here)
         baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
         if baseline is None:

@@ -189,12 +189,8 @@ baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their valu
 }
 
 baseline_covers() {  # $1 a baseline JSON, $2 another: does $1 hold every prompt set and level of $2?
-  python3 -c "
-import json, sys
-new, old = (json.load(open(p)) for p in sys.argv[1:3])
-have = {(n, lv['concurrency'], lv['requests']) for n, r in new.items() for lv in r['levels']}
-sys.exit(0 if all((n, lv['concurrency'], lv['requests']) in have for n, r in old.items() for lv in r['levels']) else 1)
-" "$1" "$2" 2>/dev/null
+  python3 -c "import runpy, sys
+sys.exit(0 if runpy.run_path('scripts/gpu_bench_grid.py')['baseline_covers'](*sys.argv[1:3]) else 1)" "$1" "$2"
 }
 
 grid_names() {  # $1 a gpu_sweep grid JSON: its configs' names, which are also its drafters' names

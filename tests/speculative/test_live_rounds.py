@@ -153,7 +153,8 @@ def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
     from eaglenest.speculative.loadgen import LevelResult
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
-    reusable = runpy.run_path(str(script))["reusable_baseline"]
+    grid = runpy.run_path(str(script))
+    reusable, covers = grid["reusable_baseline"], grid["baseline_covers"]
 
     def level(c: int, requests: int = 40) -> LevelResult:
         return LevelResult(concurrency=c, requests=requests, errors=0, duration_s=1.0, output_tokens=800,
@@ -176,6 +177,9 @@ def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
         return why
 
     assert "'mt-bench' lacks concurrency [64]" in refused(ok, {"mt-bench": 40}, [1, 64])
+    narrow = write({"mt-bench": ServerResult(name="baseline", cmd=[], levels=[level(1)], server_accept_length=None,
+                                             startup_s=9)}, "narrow.json")
+    assert covers(ok, narrow) and not covers(narrow, ok)  # a tree's one-level baseline must not replace a wider one
     assert "no prompt set 'sharegpt'" in refused(ok, {"mt-bench": 40, "sharegpt": 40}, [1])
     assert "'mt-bench' at c=1 sent 40 requests, this run sends 80" in refused(ok, {"mt-bench": 80}, [1])
     assert "this run sends 8" in refused(ok, {"mt-bench": 40}, [16], requests_per_level=8)
