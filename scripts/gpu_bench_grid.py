@@ -66,12 +66,12 @@ def gpu_name() -> str:
         return "unknown"
 
 
-def round_speedups(baseline: ServerResult, eagle3: ServerResult, c: int) -> dict:
-    """Each alternating round's EAGLE3 / baseline tok/s (same prompts, back to back), when there were rounds."""
-    b, e = baseline.round_tok_s.get(str(c)), eagle3.round_tok_s.get(str(c))
-    if not b or not e:
+def round_columns(report, c: int) -> dict:
+    """matrix.json's columns for each alternating round's speedup at concurrency c (in the order they ran), when
+    there were rounds (BenchReport.round_speedups)."""
+    ratios = report.round_speedups().get(c)
+    if not ratios:
         return {}
-    ratios = sorted(x / y for x, y in zip(e, b, strict=True))
     return {"speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3)}
 
 
@@ -189,7 +189,7 @@ def main() -> int:
 
     def cfg_for(name: str, k: int) -> BenchConfig:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
-                           prompt_file=files[list(sets).index(name)])
+                           prompt_file=files[list(sets).index(name)], rounds=a.rounds)
 
     def show(label: str, name: str, lv) -> None:
         print(f"{label:10s} {name} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s "
@@ -284,7 +284,7 @@ def main() -> int:
                                "accept_length": lv.accept_length if lv else None,
                                "baseline_tok_s": report.level("baseline", c).output_tok_s,
                                "eagle3_tok_s": lv.output_tok_s if lv else None, "baseline_measured": how,
-                               **round_speedups(baseline[name], eagle3[name], c)})
+                               **round_columns(report, c)})
                 if c == a.target_concurrency:
                     print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
         # after each depth, so a call cut during the next one keeps the rows of this one

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,16 @@ class BenchReport:
             e = self.level("eagle3", b.concurrency)
             if e is not None and b.output_tok_s > 0:
                 out[b.concurrency] = e.output_tok_s / b.output_tok_s
+        return out
+
+    def round_speedups(self) -> dict[int, list[float]]:
+        """EAGLE3 / baseline tok/s of each alternating round (the same prompts, back to back), in the order they
+        ran, by concurrency; empty when the two servers were not measured in rounds."""
+        out = {}
+        for c, base in self.baseline.round_tok_s.items():
+            eagle = self.eagle3.round_tok_s.get(c)
+            if eagle and len(eagle) == len(base) and all(b > 0 for b in base):
+                out[int(c)] = [e / b for e, b in zip(eagle, base, strict=True)]
         return out
 
     def live_accept_length(self) -> float | None:
@@ -123,6 +134,14 @@ def markdown_table(r: BenchReport) -> str:
                      f"(offline {_f(r.calibration.get('offline_accept_length'), '.2f')}, live "
                      f"{_f(r.calibration.get('live_accept_length'), '.2f')}).")
     lines += [f"- {n}" for n in r.notes]
+    for c, ratios in sorted(r.round_speedups().items()):
+        lines.append(f"- concurrency {c}, each alternating round (EAGLE3 / baseline on the same prompts, in the order "
+                     f"they ran): {', '.join(f'{x:.2f}x' for x in ratios)}; median {statistics.median(ratios):.2f}x")
+        if min(ratios) > 0 and max(ratios) / min(ratios) > ROUNDS_DISAGREE:
+            lo, hi = min(ratios), max(ratios)
+            lines.append(f"- WARNING: at concurrency {c} the rounds disagree ({lo:.2f}x to {hi:.2f}x): "
+                         "the machine's speed moved during the run or a server was still warming up, so the pooled "
+                         "speedup above is not a reliable reading; measure again.")
     odd = [c for c, v in sp.items() if (e := r.level("eagle3", c)) is not None and e.accept_length
            and v is not None and v > e.accept_length * IMPLAUSIBLE_MARGIN]
     if odd:
@@ -225,6 +244,9 @@ def cycle_cost_steps(baseline_tok_s: float, eagle3_tok_s: float, accept_length: 
     return accept_length * baseline_tok_s / eagle3_tok_s
 
 
+ROUNDS_DISAGREE = 1.2  # the fastest round's speedup / the slowest's above this: the run is too noisy to read
+# (2026-12-06d, H100: 7x8x48 rounds of 0.87x, 0.76x and 1.39x pooled to 0.95x; alone minutes later 1.51x;
+# 2026-12-06c's rounds of the same tree agreed within 4%)
 IMPLAUSIBLE_MARGIN = 1.15  # measured speedup / accept length above this: the load changed between the servers
 
 

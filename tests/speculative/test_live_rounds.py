@@ -190,3 +190,33 @@ def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
     garbled.write_text('{"mt-bench": {"levels": 3}}')
     assert "does not read as a baseline" in refused(str(garbled), {"mt-bench": 40}, [1])
     assert "does not read as a baseline" in refused(str(tmp_path / "missing.json"), {"mt-bench": 40}, [1])
+
+
+def test_the_report_shows_each_round_and_warns_when_they_disagree():
+    """A run in alternating rounds lists each round's speedup in the order they ran, in the Markdown report and in
+    the grid's matrix columns, and warns when they disagree (2026-12-06d: rounds of 0.87x, 0.76x and 1.39x pooled to
+    0.95x, the same tree alone minutes later 1.51x): the pooled speedup of such a run is no reading."""
+    import dataclasses
+
+    from spec_support import level, report
+
+    from eaglenest.speculative.report import markdown_table
+
+    def with_rounds(base_tok_s: list[float], eagle_tok_s: list[float]):
+        r = report([level(1, 560.0)], [level(1, 530.0, accept=4.17)])
+        return dataclasses.replace(r, baseline=dataclasses.replace(r.baseline, round_tok_s={"1": base_tok_s}),
+                                   eagle3=dataclasses.replace(r.eagle3, round_tok_s={"1": eagle_tok_s}))
+
+    noisy = with_rounds([585.3, 589.1, 500.9], [510.7, 447.7, 697.4])
+    assert [round(x, 2) for x in noisy.round_speedups()[1]] == [0.87, 0.76, 1.39]
+    text = markdown_table(noisy)
+    assert "in the order they ran): 0.87x, 0.76x, 1.39x; median 0.87x" in text
+    assert "WARNING: at concurrency 1 the rounds disagree (0.76x to 1.39x)" in text
+    steady = with_rounds([600.0, 610.0, 590.0], [750.0, 770.0, 760.0])
+    assert "median 1.26x" in markdown_table(steady) and "rounds disagree" not in markdown_table(steady)
+    assert "each alternating round" not in markdown_table(report([level(1, 560.0)], [level(1, 700.0, accept=3.0)]))
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    columns = runpy.run_path(str(script))["round_columns"]
+    assert columns(noisy, 1) == {"speedup_rounds": [0.873, 0.76, 1.392], "speedup_median": 0.873}
+    assert columns(noisy, 16) == {}
