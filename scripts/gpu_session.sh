@@ -230,13 +230,37 @@ the parts do not unpack (one missing?): $(ls /tmp/drafter-parts)" >&2; exit 2; }
   echo "/tmp/init-drafter/$name"
 }
 
-# Triton's compiled kernels (SGLang's attention and the CUDA-graph capture): on a fresh machine the first launch
-# spent 85 s capturing decode graphs, mostly compiling, where a warm one took 9 s. `data` brings the cache back
-# ($OUT/triton-cache.tar.xz, when it fits one file) and a later session carries it in .gpu-logs (setup or data).
+# Kernels a fresh machine compiles during its first launch. Triton's cache alone did not make that launch fast: with it
+# restored the first server's decode-graph capture still took 59.5 s (2026-12-05e) and 63.4 s (2026-12-06d), the
+# second server's 4.5-6.1 s, so the rest of what it compiles is kept elsewhere (the CUDA driver's PTX cache
+# ~/.nv/ComputeCache, JIT caches under ~/.cache, TorchInductor's under /tmp). `data` and `bench` list the caches'
+# sizes ($R/kernel-caches.txt) and bring back all of them that fit one file ($OUT/kernel-caches.tar.xz, paths from
+# /; else Triton's alone); a later session carries the file in .gpu-logs (setup or data), or an older
+# triton-cache.tar.xz (Triton's cache alone, from its root)
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-restore_kernels() {  # never fails the step: a cache that does not unpack is left out (and not half in place)
-  local f tmp=/tmp/triton-cache.unpack
-  for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do
+kernel_cache_dirs() {  # $1 a root ('' for this machine's own /): the kernel caches found under it, one a line
+  local d
+  for d in "$1$TRITON_CACHE" "$1$HOME/.nv/ComputeCache" "$1$HOME"/.cache/* "$1"/tmp/torchinductor_*; do
+    case "$d" in */.cache/pip|*/.cache/huggingface) continue ;; esac
+    [ -d "$d" ] && echo "$d"
+  done
+  return 0
+}
+restore_kernels() {  # never fails the step: a file that does not unpack is left out (and nothing half in place)
+  [ ! -d "$TRITON_CACHE" ] || return 0  # this machine has compiled already
+  local f d tmp=/tmp/kernel-caches.unpack
+  for f in .gpu-logs/kernel-caches.tar.xz .gpu/kernel-caches.tar.xz; do
+    [ -f "$f" ] || continue
+    rm -rf "$tmp"; mkdir -p "$tmp"
+    if tar -C "$tmp" -xJf "$f"; then
+      while read -r d; do  # each cache moves into place whole, where this machine has none yet
+        [ -e "${d#"$tmp"}" ] || { mkdir -p "$(dirname "${d#"$tmp"}")" && mv "$d" "${d#"$tmp"}"; }
+      done < <(kernel_cache_dirs "$tmp")
+      echo "kernel caches restored from $f: $(kernel_cache_dirs '' | tr '\n' ' ')"
+    else echo "kernel caches: $f did not unpack; compiling anew" >&2; fi
+    rm -rf "$tmp"; return 0
+  done
+  for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do  # the older file: Triton's cache alone
     [ -f "$f" ] && [ ! -d "$TRITON_CACHE" ] || continue
     rm -rf "$tmp"; mkdir -p "$tmp" "$(dirname "$TRITON_CACHE")"
     if tar -C "$tmp" -xJf "$f" && mv "$tmp" "$TRITON_CACHE"; then echo "triton cache restored from $f"
@@ -245,11 +269,19 @@ restore_kernels() {  # never fails the step: a cache that does not unpack is lef
   return 0
 }
 save_kernels() {  # never fails the step either
-  [ -d "$TRITON_CACHE" ] || return 0
-  tar -C "$TRITON_CACHE" -cf - . | xz -T0 -6 > /tmp/triton-cache.tar.xz || return 0
-  local size; size=$(stat -c %s /tmp/triton-cache.tar.xz) || return 0
-  if [ "$size" -le 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/" || true
-  else echo "triton cache $size B: too big to bring back" >&2; fi
+  local dirs=() rels=() d
+  mapfile -t dirs < <(kernel_cache_dirs '')
+  [ "${#dirs[@]}" -gt 0 ] || return 0
+  du -s "${dirs[@]}" > "$R/kernel-caches.txt" 2>/dev/null || true
+  for d in "${dirs[@]}"; do rels+=("${d#/}"); done
+  if ! { tar -C / -cf - "${rels[@]}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; } \
+     || [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -gt 15000000 ]; then
+    echo "kernel caches $(du -sc "${dirs[@]}" | tail -1 | cut -f1) KB: too big to bring back all; Triton's alone" >&2
+    [ -d "$TRITON_CACHE" ] || return 0
+    tar -C / -cf - "${TRITON_CACHE#/}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz || return 0
+    [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -le 15000000 ] || { echo "Triton's cache too big too" >&2; return 0; }
+  fi
+  cp /tmp/kernel-caches.tar.xz "$OUT/" || true
   return 0
 }
 
@@ -653,7 +685,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
-  # the Triton kernels of these launches too (a data call cut short never reached its own save): keep the file
+  # the kernel caches of these launches too (a data call cut short never reached its own save): keep the file
   # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
   save_kernels
   ;;
