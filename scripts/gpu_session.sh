@@ -4,7 +4,8 @@
 #   setup  carry .device/site.tar.xz .device/bin, then again with .device/bin .device/gguf1 (and what fits beside it,
 #          e.g. .gpu-logs/train-1t.jsonl.xz; 64 MiB a call): unpack the SGLang kit; the first GGUF half; prompt packs
 #          and an earlier session's answers (.gpu-logs/) that do not fit the first data call (a later data call,
-#          without gguf2, may carry .gpu-logs itself)
+#          without gguf2, may carry .gpu-logs itself); a setup call that carries .device/gguf2 (after gguf1's) also
+#          builds the model (~48 s), so that data need not carry it (gguf2 + .gpu + a 19-MB working tree pass 64 MiB)
 #   data   carry .device/bin .device/gguf2 .gpu                  model; 10K regeneration + capture (the CLI a user
 #                                                                 runs); bf16 and fp8 stores; calibration capture
 #   prompts carry .device/bin .device/gguf2 .gpu                the target writes user prompts (SELF_COUNT, 20000)
@@ -132,6 +133,19 @@
 # offline and nothing live (MT-Bench 2.42). Next (from nothing, if the assets are gone again): the same data call
 # (a new seed), a second data call at once for the ~15 GB the disk still had (~3M tokens more; the disk guard stops
 # it at 4 GB free), train with TRAIN_MINUTES=7 (TRAIN_TOK_S on the H100 now 165K), bench, trees with ROUNDS=3.
+# n13 (results/2026-12-06d-h100, H100 at once, 1,756 s used): the checkout kept n12 this time, so n12 was continued:
+# setup x3 (the kit + .gpu-logs/triton-cache.tar.xz; gguf1; .gpu-drafters/parts-n12), the model in a call of its own
+# (the working tree had grown to 19 MB: gguf2 + .gpu + the tree passed 64 MiB; 48 s, data then skips it; now a setup
+# call that carries .device/bin .device/gguf2 does it), data (seed 14, as n12's but EXTRACT_S=430,
+# carry .device/bin .gpu: launch 125 s, the second server 187 s, 20K prompts 64 s, 245 s of stream, 14,018 samples, 6.9M
+# tokens), train (GRID=results/2026-12-06d-h100/grid-n13.json: lr 1e-3 from n12; INIT_FROM=parts:n12 AVERAGE=1
+# TRAIN_MINUTES=7: 8.9 epochs, 1,932 steps at 180K tok/s; the eval sets flat after step 1,400), bench (DRAFTERS="n13
+# n13-avg"), the 7x8x48 tree in 3 rounds, then alone. Steps 3: n13 2.42 / 2.42, 2.94 / 2.90, 2.79 / 2.76; n13-avg
+# MT-Bench 2.45 / 2.42. 7x8x48 (n13-avg): 4.17 a cycle, alone 1.51x; the rounds 0.87x, 0.76x, 1.39x (EAGLE3's cycle
+# 7.9 ms against 4.5 alone: the report now warns when rounds disagree). Continuing moved HumanEval and ShareGPT
+# (+0.08, +0.15) but not MT-Bench (2.42-2.47 for every drafter since n8). The first server's decode-graph capture still
+# took 63 s with Triton's cache restored: save_kernels now brings back every kernel cache (kernel-caches.tar.xz;
+# carry it from .gpu-logs in the first setup call) and lists their sizes in kernel-caches.txt.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -204,6 +218,7 @@ run() {  # log the exact command line, then run it
 
 ensure_model() {  # the target from its two GGUF halves (setup brought the first), once per machine
   [ ! -f "$MODEL/config.json" ] || return 0
+  [ -f /tmp/smol/smol.part00 ] || { echo "no first GGUF half yet: a setup call with .device/gguf1 first" >&2; exit 2; }
   [ -f .device/gguf2/smol.part01 ] || { echo "no model yet: carry .device/gguf2 in this call" >&2; exit 2; }
   cp .device/gguf2/smol.part01 /tmp/smol/
   run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
@@ -322,6 +337,7 @@ setup)
     setsid nohup sleep 1700 > /dev/null 2>&1 < /dev/null & echo $! > /tmp/survivor.pid
   fi
   git -C . log -1 --format=%H 2>/dev/null | tee "$R/commit.txt" || true
+  [ ! -f .device/gguf2/smol.part01 ] || ensure_model  # gguf2 in a setup call of its own: data then carries .gpu alone
   ;;
 data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
