@@ -253,47 +253,63 @@ the parts do not unpack (one missing?): $(ls /tmp/drafter-parts)" >&2; exit 2; }
 # /; else Triton's alone); a later session carries the file in .gpu-logs (setup or data), or an older
 # triton-cache.tar.xz (Triton's cache alone, from its root)
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-kernel_cache_dirs() {  # $1 a root ('' for this machine's own /): the kernel caches found under it, one a line
-  local d
+kernel_cache_dirs() {  # $1 a root ('' for this machine's own /): the kernel caches found under it, one a line,
+  # each once and none inside another listed one (TRITON_CACHE_DIR may point under ~/.cache)
+  local d i j found=()
   for d in "$1$TRITON_CACHE" "$1$HOME/.nv/ComputeCache" "$1$HOME"/.cache/* "$1"/tmp/torchinductor_*; do
     case "$d" in */.cache/pip|*/.cache/huggingface) continue ;; esac
-    [ -d "$d" ] && echo "$d"
+    if [ -d "$d" ] && [ ! -L "$d" ]; then found+=("$d"); fi
+  done
+  for ((i = 0; i < ${#found[@]}; i++)); do
+    for ((j = 0; j < ${#found[@]}; j++)); do  # the same folder again, or one inside another: the outer one, once
+      if [ "$j" -lt "$i" ] && [ "${found[j]}" = "${found[i]}" ]; then continue 2; fi
+      case "${found[i]}" in "${found[j]}"/*) continue 2 ;; esac
+    done
+    echo "${found[i]}"
   done
   return 0
 }
-restore_kernels() {  # never fails the step: a file that does not unpack is left out (and nothing half in place)
+restore_kernels() {  # never fails the step: a file that does not unpack, or a cache that cannot move, is left out
   [ ! -d "$TRITON_CACHE" ] || return 0  # this machine has compiled already
-  local f d tmp=/tmp/kernel-caches.unpack
+  local f d moved tmp=/tmp/kernel-caches.unpack
   for f in .gpu-logs/kernel-caches.tar.xz .gpu/kernel-caches.tar.xz; do
     [ -f "$f" ] || continue
     rm -rf "$tmp"; mkdir -p "$tmp"
-    if tar -C "$tmp" -xJf "$f"; then
-      while read -r d; do  # each cache moves into place whole, where this machine has none yet
-        [ -e "${d#"$tmp"}" ] || { mkdir -p "$(dirname "${d#"$tmp"}")" && mv "$d" "${d#"$tmp"}"; }
-      done < <(kernel_cache_dirs "$tmp")
-      echo "kernel caches restored from $f: $(kernel_cache_dirs '' | tr '\n' ' ')"
-    else echo "kernel caches: $f did not unpack; compiling anew" >&2; fi
-    rm -rf "$tmp"; return 0
+    if ! tar -C "$tmp" -xJf "$f"; then echo "kernel caches: $f did not unpack" >&2; rm -rf "$tmp"; continue; fi
+    moved=
+    while read -r d; do  # each cache moves into place whole, where this machine has none yet
+      [ ! -e "${d#"$tmp"}" ] || continue
+      if { mkdir -p "$(dirname "${d#"$tmp"}")" && mv "$d" "${d#"$tmp"}"; } 2>/dev/null; then moved+=" ${d#"$tmp"}"
+      else echo "kernel cache ${d#"$tmp"} left out: it did not move into place" >&2; rm -rf "${d#"$tmp"}"; fi
+    done < <(kernel_cache_dirs "$tmp")
+    rm -rf "$tmp"
+    echo "kernel caches restored from $f:${moved:- none (another HOME?)}"
+    return 0
   done
   for f in .gpu-logs/triton-cache.tar.xz .gpu/triton-cache.tar.xz; do  # the older file: Triton's cache alone
     [ -f "$f" ] && [ ! -d "$TRITON_CACHE" ] || continue
-    rm -rf "$tmp"; mkdir -p "$tmp" "$(dirname "$TRITON_CACHE")"
+    rm -rf "$tmp"; mkdir -p "$tmp" "$(dirname "$TRITON_CACHE")" 2>/dev/null || continue
     if tar -C "$tmp" -xJf "$f" && mv "$tmp" "$TRITON_CACHE"; then echo "triton cache restored from $f"
     else echo "triton cache: $f did not unpack; compiling anew" >&2; rm -rf "$tmp"; fi
   done
   return 0
 }
+KERNEL_CACHES_MAX_KB=204800  # caches above this, uncompressed, are not packed whole (xz of ~200 MB: a minute or more)
 save_kernels() {  # never fails the step either
-  local dirs=() rels=() d
+  local dirs=() rels=() d kb why=
   mapfile -t dirs < <(kernel_cache_dirs '')
   [ "${#dirs[@]}" -gt 0 ] || return 0
   du -s "${dirs[@]}" > "$R/kernel-caches.txt" 2>/dev/null || true
+  kb=$(du -sc "${dirs[@]}" 2>/dev/null | tail -1 | cut -f1) || kb=0
   for d in "${dirs[@]}"; do rels+=("${d#/}"); done
-  if ! { tar -C / -cf - "${rels[@]}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; } \
-     || [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -gt 15000000 ]; then
-    echo "kernel caches $(du -sc "${dirs[@]}" | tail -1 | cut -f1) KB: too big to bring back all; Triton's alone" >&2
+  if [ "${kb:-0}" -gt "$KERNEL_CACHES_MAX_KB" ]; then why="$kb KB before compression"
+  elif ! { tar -C / -cf - "${rels[@]}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; }; then why="tar or xz failed"
+  elif [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -gt 15000000 ]; then why="over 15 MB compressed"
+  fi
+  if [ -n "$why" ]; then
+    echo "kernel caches: $why; bringing back Triton's alone" >&2
     [ -d "$TRITON_CACHE" ] || return 0
-    tar -C / -cf - "${TRITON_CACHE#/}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz || return 0
+    { tar -C / -cf - "${TRITON_CACHE#/}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; } || return 0
     [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -le 15000000 ] || { echo "Triton's cache too big too" >&2; return 0; }
   fi
   cp /tmp/kernel-caches.tar.xz "$OUT/" || true
@@ -440,7 +456,6 @@ open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)" || { echo "no eval pro
         "$f" || true; } \
       | xz -T0 > "$R/$(basename "$f" .log)-batches.txt.xz"
   done
-  save_kernels
   # the answers come back (small next to the shards) so that the next session captures them without regenerating;
   # a copy stays in /tmp/gpu-logs for a later data call of this window (ANSWERS_FROM=TAG after rm -rf /tmp/ext)
   mkdir -p /tmp/gpu-logs && rm -f /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part*
@@ -450,6 +465,7 @@ open('/tmp/gpu/calib-first.jsonl', 'w').writelines(keep)" || { echo "no eval pro
   [ ${#keep[@]} -gt 0 ] && tar -C /tmp/ext/regen -cf - "${keep[@]}" | xz -T0 -3 \
     | split -b 15M - "/tmp/gpu-logs/regen-logs-$tag.tar.xz.part" && cp /tmp/gpu-logs/regen-logs-"$tag".tar.xz.part* "$OUT/" \
     || true
+  save_kernels  # (after the answers: they matter more, should the call's time run out)
   [ "${PROFILE:-0}" != 1 ] || python3 -c "
 import json, sys
 from collections import Counter
