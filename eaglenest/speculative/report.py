@@ -137,8 +137,8 @@ def markdown_table(r: BenchReport) -> str:
     for c, ratios in sorted(r.round_speedups().items()):
         lines.append(f"- concurrency {c}, each alternating round (EAGLE3 / baseline on the same prompts, in the order "
                      f"they ran): {', '.join(f'{x:.2f}x' for x in ratios)}; median {statistics.median(ratios):.2f}x")
-        if min(ratios) > 0 and max(ratios) / min(ratios) > ROUNDS_DISAGREE:
-            lo, hi = min(ratios), max(ratios)
+        lo, hi = min(ratios), max(ratios)
+        if hi > 0 and (lo <= 0 or hi / lo > ROUNDS_DISAGREE):  # (a round of 0 tok/s disagrees with any other)
             lines.append(f"- WARNING: at concurrency {c} the rounds disagree ({lo:.2f}x to {hi:.2f}x): "
                          "the machine's speed moved during the run or a server was still warming up, so the pooled "
                          "speedup above is not a reliable reading; measure again.")

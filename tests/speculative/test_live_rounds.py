@@ -215,6 +215,7 @@ def test_the_report_shows_each_round_and_warns_when_they_disagree():
     steady = with_rounds([600.0, 610.0, 590.0], [750.0, 770.0, 760.0])
     assert "median 1.26x" in markdown_table(steady) and "rounds disagree" not in markdown_table(steady)
     assert "each alternating round" not in markdown_table(report([level(1, 560.0)], [level(1, 700.0, accept=3.0)]))
+    assert "rounds disagree (0.00x to 1.27x)" in markdown_table(with_rounds([600.0, 610.0], [0.0, 775.0]))
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
     columns = runpy.run_path(str(script))["round_columns"]
