@@ -37,7 +37,8 @@ class TrainConfig(BaseModel):
     target: str = Field("default", description="Target model folder, or 'default' (SmolLM2-135M-Instruct).")
     draft_vocab_size: int | None = Field(
         None, ge=1, description="Draft vocabulary size; default min(32000, V) on GPU, min(8192, V) on CPU "
-        "(the draft LM head dominates the CPU cost)."
+        "(the draft LM head dominates the CPU cost). With init_from: unset keeps the drafter's own; a larger size "
+        "widens it by the training split's most frequent tokens it lacks (their head rows from the target's)."
     )
     draft_intermediate_size: int | None = Field(
         None, ge=1, description="Width of the draft layer's MLP (default: the target's intermediate size). Wider adds "

@@ -25,7 +25,7 @@ from eaglenest.atomic import atomic_write_bytes
 from eaglenest.drafter.checkpoint import CheckpointError, config_drift, describe_drift
 from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
-from eaglenest.drafter.vocab import DraftVocab, build_draft_vocab, loss_tokens
+from eaglenest.drafter.vocab import DraftVocab, count_tokens, loss_tokens, widen_head
 from eaglenest.store.extraction import open_samples as open_store
 
 
@@ -192,10 +192,11 @@ def starting_drafter(config: TrainConfig, target_dir: Path, provenance: contract
     have = loaded.model.config
     for name, size, asked in (("draft_vocab_size", have.draft_vocab_size, config.draft_vocab_size),
                                ("draft_intermediate_size", have.intermediate_size, config.draft_intermediate_size)):
-        if asked is not None and asked != size:
+        if asked is not None and asked != size and not (name == "draft_vocab_size" and asked > size):
+            wider = " (a larger draft vocabulary widens it)" if name == "draft_vocab_size" else ""
             raise contract.ContractError(
                 f"init_from {config.init_from} has {name} {size}, the config asks for {asked}: leave {name} "
-                "unset (the drafter's own is kept) or start afresh")
+                f"unset (the drafter's own is kept){wider} or start afresh")
     return loaded.model.state_dict()
 
 
@@ -211,11 +212,17 @@ def resolve_device(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
     return torch.device(device), bf16
 
 
-def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist) -> DraftVocab:
-    """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it)."""
+def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist, *,
+                own: DraftVocab | None = None) -> DraftVocab:
+    """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it); with ``own``
+    (the vocabulary of the drafter it continues) that one, widened to a larger ``draft_vocab_size`` by the split's
+    most frequent tokens it lacks (its head: :func:`widened_start`)."""
+    if own is not None and (config.draft_vocab_size or 0) <= own.size:  # unset: the drafter's own is kept
+        return own
     size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
     if d.rank == 0:
-        vocab = build_draft_vocab(loss_tokens(store, train_idx), vocab_size=vocab_size, size=size)
+        counts = count_tokens(loss_tokens(store, train_idx), vocab_size)
+        vocab = own.widened(counts, size) if own is not None else DraftVocab.from_counts(counts, size)
         ids = vocab.target_ids
     else:
         ids, vocab = torch.zeros(size, dtype=torch.int64), None
@@ -224,6 +231,15 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
         dist.broadcast(comm, src=0)
         ids = comm.cpu()
     return vocab or DraftVocab(ids, vocab_size)
+
+
+def widened_start(start: dict[str, torch.Tensor], own: DraftVocab, wider: DraftVocab,
+                   target_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weights of a continued drafter (``init_from``) for the ``wider`` draft vocabulary: the LM head's rows
+    for the added tokens from the target's (:func:`~eaglenest.drafter.vocab.widen_head`), the two maps anew."""
+    head = start["lm_head.weight"]
+    return {**start, "lm_head.weight": widen_head(head, own, wider, target_head.to(head.device)),
+            "d2t": wider.d2t.to(start["d2t"].device), "t2d": wider.t2d.to(start["t2d"].device)}
 
 
 def comm_device(device: torch.device) -> torch.device:

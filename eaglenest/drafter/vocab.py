@@ -73,6 +73,22 @@ class DraftVocab:
         vocab = DraftVocab(self.target_ids[keep], self.vocab_size)
         return dataclasses.replace(vocab, coverage=vocab.share_of(counts)), keep
 
+    def widened(self, counts: np.ndarray | torch.Tensor, size: int) -> DraftVocab:
+        """This vocabulary with the ids most frequent in ``counts`` [V] that it lacks added up to ``size`` (ties:
+        smaller id first; unseen ids, smallest first, when the counts run out). Its LM head: :func:`widen_head`."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (self.vocab_size,):
+            raise contract.ContractError(f"token counts cover {counts.shape[0]} ids; the target vocabulary has "
+                                         f"{self.vocab_size}")
+        if not self.size < size <= self.vocab_size:
+            raise contract.ContractError(f"a wider draft vocabulary needs a size in {self.size + 1}..{self.vocab_size} "
+                                         f"(it has {self.size}), got {size}")
+        rank = counts.astype(np.float64)
+        rank[self.target_ids.numpy()] = np.inf  # the current ids first, then by count desc, id asc
+        ids = np.sort(np.argsort(-rank, kind="stable")[:size]).astype(np.int64)
+        vocab = DraftVocab(torch.from_numpy(ids), self.vocab_size)
+        return dataclasses.replace(vocab, coverage=vocab.share_of(counts))
+
     def share_of(self, counts: np.ndarray | torch.Tensor) -> float:
         """Share of the occurrences counted in ``counts`` [V] whose token is in this vocabulary (nan: none)."""
         counts = np.asarray(counts, dtype=np.int64)
@@ -87,6 +103,22 @@ class DraftVocab:
                 f"d2t does not describe {d2t.numel()} distinct ascending target ids below {vocab_size}"
             )
         return cls(ids, vocab_size)
+
+
+def widen_head(head: torch.Tensor, own: DraftVocab, wider: DraftVocab, target_head: torch.Tensor) -> torch.Tensor:
+    """The draft LM head [Vd, H] of vocabulary ``own`` for ``wider`` (:meth:`DraftVocab.widened`): its rows at
+    their tokens' new places, and for each added token the target's row [V, H] scaled by the median ratio of the
+    draft head's row norms to the target's rows of the same tokens (the head started from those rows,
+    init_from_target, and drifted in training: the added rows start where they would be now, then train)."""
+    old_at = torch.searchsorted(wider.target_ids, own.target_ids)
+    if head.shape != (own.size, target_head.shape[1]) or not bool(
+            (wider.target_ids[old_at.clamp_max(wider.size - 1)] == own.target_ids).all()):
+        raise contract.ContractError(f"an LM head of {tuple(head.shape)} for {own.size} draft ids does not widen to "
+                                     f"{wider.size} ids of width {target_head.shape[1]} holding them all")
+    scale = (head.float().norm(dim=1) / target_head[own.target_ids].float().norm(dim=1).clamp_min(1e-12)).median()
+    out = target_head[wider.target_ids].float() * scale
+    out[old_at] = head.float()
+    return out.to(head.dtype)
 
 
 def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> np.ndarray:

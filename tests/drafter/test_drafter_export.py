@@ -148,6 +148,45 @@ def test_training_starts_from_an_exported_drafter(tmp_path, trained_run, tiny_mo
         TrainConfig(**{**cfg.model_dump(), "init": "target"})
 
 
+def test_a_continued_drafter_widens_its_vocabulary(tmp_path, trained_run, tiny_model_dir, drafter_store):
+    """init_from with a larger draft_vocab_size: the drafter's own tokens keep their head rows (its logits there are
+    the export's), the training split's most frequent tokens it lacks join with the target's rows scaled to its
+    head, and the run trains and exports the wider vocabulary (a smaller size is still refused)."""
+    from eaglenest.drafter.target import load_target_tensors
+    from eaglenest.drafter.train import Trainer
+    from eaglenest.drafter.vocab import DraftVocab
+
+    out = export_drafter(trained_run, tmp_path / "sgl", fmt="sglang")
+    exported = load_drafter(out, target_dir=tiny_model_dir).model
+    own = DraftVocab.from_d2t(exported.d2t, exported.config.vocab_size)
+    cfg = TrainConfig(store="memory", out_dir=str(tmp_path / "wider"), target=str(tiny_model_dir), init_from=str(out),
+                      draft_vocab_size=own.size + 40, ttt_steps=2, max_steps=2, max_tokens=256, max_seq_len=128,
+                      warmup_steps=1, eval_fraction=0.0, eval_every=0, precision="fp32", threads=1)
+    t = Trainer.setup(cfg, store=drafter_store)
+    ids = t.vocab.target_ids
+    assert t.vocab.size == own.size + 40 and bool(torch.isin(own.target_ids, ids).all())
+    assert torch.equal(t.drafter.to_target_ids(torch.arange(t.vocab.size)), ids)
+    at = torch.searchsorted(ids, own.target_ids)
+    head = t.drafter.lm_head.weight.detach()
+    assert torch.equal(head[at], exported.lm_head.weight.detach())
+    s = drafter_store[0]
+    n = s.input_ids.numel() - 1
+    args = (s.input_ids[None, 1:].long(), s.aux_hidden[None, :n].float(), torch.arange(n)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(t.drafter.extend(*args).logits[..., at], exported.extend(*args).logits)
+    added = torch.ones(t.vocab.size, dtype=torch.bool)
+    added[at] = False
+    target_head = load_target_tensors(tiny_model_dir).lm_head.float()
+    ratio = head[added].norm(dim=1) / target_head[ids[added]].norm(dim=1)
+    torch.testing.assert_close(ratio, torch.full_like(ratio, float(ratio[0])))  # one scale for every added row
+    assert train(cfg, store=drafter_store).status == "done"
+    wider = export_drafter(tmp_path / "wider", tmp_path / "sgl-wider", fmt="sglang")
+    assert load_drafter(wider, target_dir=tiny_model_dir).model.config.draft_vocab_size == own.size + 40
+    with pytest.raises(ContractError, match="a larger draft vocabulary widens it"):
+        Trainer.setup(cfg.model_copy(update={"draft_vocab_size": own.size - 1, "out_dir": str(tmp_path / "v")}),
+                      store=drafter_store)
+
+
 def test_a_wider_draft_mlp_trains_exports_and_keeps_its_width(tmp_path, tiny_model_dir, drafter_store):
     """draft_intermediate_size widens the draft layer's MLP: the export's config says so, SGLang's math over the
     exported tensors gives the loaded drafter's logits, and a run started from it keeps that width."""
