@@ -145,7 +145,17 @@
 # 7.9 ms against 4.5 alone: the report now warns when rounds disagree). Continuing moved HumanEval and ShareGPT
 # (+0.08, +0.15) but not MT-Bench (2.42-2.47 for every drafter since n8). The first server's decode-graph capture still
 # took 63 s with Triton's cache restored: save_kernels now brings back every kernel cache (kernel-caches.tar.xz;
-# carry it from .gpu-logs in the first setup call) and lists their sizes in kernel-caches.txt.
+# carry it from .gpu-logs in the first setup call) and lists their sizes in kernel-caches.txt. The draft vocabulary
+# is a lever the n-series gave up: 16,000 tokens hold 94.5% of ShareGPT's answer tokens and 98.3% of MT-Bench's (the
+# CPU capture of their first 40 prompts), the same answers' 32,000 most frequent 98.6% and 99.6%; n9n10 and v32f, with
+# 32,000, accepted 2.88-2.93 on ShareGPT against n12's 2.64 and n13's 2.79. Training now widens a continued drafter
+# (draft_vocab_size above its own, init_from). Next: setup x3 (the kit + .gpu-logs/kernel-caches.tar.xz or
+# triton-cache.tar.xz; gguf1; .device/bin .device/gguf2, which now builds the model), setup with
+# .gpu-drafters/parts-n13-avg, data with a new seed (15) carrying .device/bin .gpu, then train with
+# `echo '{"n14": {"draft_vocab_size": 32000, "ttt_steps": 4, "lr": 0.001, "draft_intermediate_size": 6144,
+# "init_from": "/tmp/init-drafter/n13-avg"}}' > /tmp/grid-n14.json && GRID=/tmp/grid-n14.json INIT_FROM=parts:n13-avg
+# STORE=extraction TRAIN_MINUTES=7 ...train` (a 32,000-token head trains ~15% slower: n9 192K tok/s; no AVERAGE: a
+# drafter and its widened continuation do not average), bench, the 7x8x48 tree alone and in rounds.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
