@@ -220,6 +220,8 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
     if own is not None and (config.draft_vocab_size or 0) <= own.size:  # unset: the drafter's own is kept
         return own
     size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
+    if size > vocab_size:  # (on every rank: one that raised alone would leave the others in the broadcast)
+        raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
     if d.rank == 0:
         counts = count_tokens(loss_tokens(store, train_idx), vocab_size)
         vocab = own.widened(counts, size) if own is not None else DraftVocab.from_counts(counts, size)

@@ -166,6 +166,7 @@ def test_a_continued_drafter_widens_its_vocabulary(tmp_path, trained_run, tiny_m
     ids = t.vocab.target_ids
     assert t.vocab.size == own.size + 40 and bool(torch.isin(own.target_ids, ids).all())
     assert torch.equal(t.drafter.to_target_ids(torch.arange(t.vocab.size)), ids)
+    assert torch.equal(t.drafter.t2d, t.vocab.t2d) and int(t.drafter.t2d.sum()) == own.size + 40
     at = torch.searchsorted(ids, own.target_ids)
     head = t.drafter.lm_head.weight.detach()
     assert torch.equal(head[at], exported.lm_head.weight.detach())
@@ -182,6 +183,9 @@ def test_a_continued_drafter_widens_its_vocabulary(tmp_path, trained_run, tiny_m
     assert train(cfg, store=drafter_store).status == "done"
     wider = export_drafter(tmp_path / "wider", tmp_path / "sgl-wider", fmt="sglang")
     assert load_drafter(wider, target_dir=tiny_model_dir).model.config.draft_vocab_size == own.size + 40
+    same = Trainer.setup(cfg.model_copy(update={"draft_vocab_size": own.size, "out_dir": str(tmp_path / "same")}),
+                         store=drafter_store)
+    assert torch.equal(same.vocab.target_ids, own.target_ids)
     with pytest.raises(ContractError, match="a larger draft vocabulary widens it"):
         Trainer.setup(cfg.model_copy(update={"draft_vocab_size": own.size - 1, "out_dir": str(tmp_path / "v")}),
                       store=drafter_store)
