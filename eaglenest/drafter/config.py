@@ -38,7 +38,7 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int | None = Field(
         None, ge=1, description="Draft vocabulary size; default min(32000, V) on GPU, min(8192, V) on CPU "
         "(the draft LM head dominates the CPU cost). With init_from: unset keeps the drafter's own; a larger size "
-        "widens it by the training split's most frequent tokens it lacks (their head rows from the target's)."
+        "widens it by the training split's most frequent tokens it lacks (their head rows start at zero)."
     )
     draft_intermediate_size: int | None = Field(
         None, ge=1, description="Width of the draft layer's MLP (default: the target's intermediate size). Wider adds "

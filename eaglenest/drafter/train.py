@@ -157,7 +157,7 @@ class Trainer:
             own = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
             vocab = build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d, own=own)
             if vocab.size > own.size:  # a larger draft_vocab_size: the drafter's own, widened
-                start = widened_start(start, own, vocab, tt.lm_head)
+                start = widened_start(start, own, vocab)
                 if d.rank == 0:  # (the others received the ids, not the counts)
                     log.info("draft vocabulary widened from %d to %d tokens (coverage of the training split %.4f)",
                              own.size, vocab.size, vocab.coverage)

@@ -235,12 +235,10 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
     return vocab or DraftVocab(ids, vocab_size)
 
 
-def widened_start(start: dict[str, torch.Tensor], own: DraftVocab, wider: DraftVocab,
-                   target_head: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The weights of a continued drafter (``init_from``) for the ``wider`` draft vocabulary: the LM head's rows
-    for the added tokens from the target's (:func:`~eaglenest.drafter.vocab.widen_head`), the two maps anew."""
-    head = start["lm_head.weight"]
-    return {**start, "lm_head.weight": widen_head(head, own, wider, target_head.to(head.device)),
+def widened_start(start: dict[str, torch.Tensor], own: DraftVocab, wider: DraftVocab) -> dict[str, torch.Tensor]:
+    """The weights of a continued drafter (``init_from``) for the ``wider`` draft vocabulary: zero LM-head rows for
+    the added tokens (:func:`~eaglenest.drafter.vocab.widen_head`), the two maps anew."""
+    return {**start, "lm_head.weight": widen_head(start["lm_head.weight"], own, wider),
             "d2t": wider.d2t.to(start["d2t"].device), "t2d": wider.t2d.to(start["t2d"].device)}
 
 
