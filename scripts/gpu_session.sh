@@ -149,7 +149,7 @@
 # is a lever the n-series gave up: 16,000 tokens hold 94.5% of ShareGPT's answer tokens and 98.3% of MT-Bench's (the
 # CPU capture of their first 40 prompts), the same answers' 32,000 most frequent 98.6% and 99.6%; n9n10 and v32f, with
 # 32,000, accepted 2.88-2.93 on ShareGPT against n12's 2.64 and n13's 2.79. Training now widens a continued drafter
-# (draft_vocab_size above its own, init_from). Next: setup x3 (the kit + .gpu-logs/kernel-caches.tar.xz or
+# (draft_vocab_size above its own, init_from; the added rows start at zero: results/2026-12-06d-cpu). Next: setup x3 (the kit + .gpu-logs/kernel-caches.tar.xz or
 # triton-cache.tar.xz; gguf1; .device/bin .device/gguf2, which now builds the model), setup with
 # .gpu-drafters/parts-n13-avg, data with a new seed (15) carrying .device/bin .gpu, then train with
 # `echo '{"n14": {"draft_vocab_size": 32000, "ttt_steps": 4, "lr": 0.001, "draft_intermediate_size": 6144,
