@@ -53,6 +53,7 @@ from eaglenest.drafter.train_state import (
     check_resume,
     check_store_target,
     comm_device,
+    continued_start,
     describe_eval,
     finished_result,
     lr_factor,
@@ -61,7 +62,6 @@ from eaglenest.drafter.train_state import (
     schedule_steps,
     starting_drafter,
     store_fingerprint,
-    widened_start,
 )
 from eaglenest.drafter.ttt import TTTObjective, step_counts, target_rows
 from eaglenest.drafter.vocab import DraftVocab
@@ -154,13 +154,7 @@ class Trainer:
             vocab = DraftVocab.from_d2t(checkpoint.model["d2t"], int(tt.config["vocab_size"]))
         elif config.init_from is not None:
             start = starting_drafter(config, target_dir, store.provenance)
-            own = DraftVocab.from_d2t(start["d2t"], int(tt.config["vocab_size"]))
-            vocab = build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d, own=own)
-            if vocab.size > own.size:  # a larger draft_vocab_size: the drafter's own, widened
-                start = widened_start(start, own, vocab)
-                if d.rank == 0:  # (the others received the ids, not the counts)
-                    log.info("draft vocabulary widened from %d to %d tokens (coverage of the training split %.4f)",
-                             own.size, vocab.size, vocab.coverage)
+            vocab, start = continued_start(config, start, store, train_idx, int(tt.config["vocab_size"]), device, d)
         else:
             vocab = build_vocab(config, store, train_idx, int(tt.config["vocab_size"]), device, d)
         weights = checkpoint.model if checkpoint is not None else start  # either keeps its own MLP width

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,8 @@ from eaglenest.drafter.config import RESUME_MUTABLE, TrainConfig
 from eaglenest.drafter.report import HELDOUT  # the eval-set name of the training store's own held-out split
 from eaglenest.drafter.vocab import DraftVocab, count_tokens, loss_tokens, widen_head
 from eaglenest.store.extraction import open_samples as open_store
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -216,7 +219,7 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
                 own: DraftVocab | None = None) -> DraftVocab:
     """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it); with ``own``
     (the vocabulary of the drafter it continues) that one, widened to a larger ``draft_vocab_size`` by the split's
-    most frequent tokens it lacks (its head: :func:`widened_start`)."""
+    most frequent tokens it lacks (its head: :func:`continued_start`)."""
     if own is not None and (config.draft_vocab_size or 0) <= own.size:  # unset: the drafter's own is kept
         return own
     size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
@@ -235,11 +238,20 @@ def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: in
     return vocab or DraftVocab(ids, vocab_size)
 
 
-def widened_start(start: dict[str, torch.Tensor], own: DraftVocab, wider: DraftVocab) -> dict[str, torch.Tensor]:
-    """The weights of a continued drafter (``init_from``) for the ``wider`` draft vocabulary: zero LM-head rows for
-    the added tokens (:func:`~eaglenest.drafter.vocab.widen_head`), the two maps anew."""
-    return {**start, "lm_head.weight": widen_head(start["lm_head.weight"], own, wider),
-            "d2t": wider.d2t.to(start["d2t"].device), "t2d": wider.t2d.to(start["t2d"].device)}
+def continued_start(config: TrainConfig, start: dict[str, torch.Tensor], store, train_idx: list[int],
+                    vocab_size: int, device, d: Dist) -> tuple[DraftVocab, dict[str, torch.Tensor]]:
+    """The draft vocabulary and weights a continued drafter (``init_from``, weights ``start``) trains from: its own,
+    or, for a larger ``draft_vocab_size``, its own widened (:func:`build_vocab`) with zero LM-head rows for the added
+    tokens (:func:`~eaglenest.drafter.vocab.widen_head`) and the two maps anew."""
+    own = DraftVocab.from_d2t(start["d2t"], vocab_size)
+    vocab = build_vocab(config, store, train_idx, vocab_size, device, d, own=own)
+    if vocab.size == own.size:
+        return own, start
+    if d.rank == 0:  # (the others received the ids, not the counts)
+        log.info("draft vocabulary widened from %d to %d tokens (coverage of the training split %.4f)",
+                 own.size, vocab.size, vocab.coverage)
+    return vocab, {**start, "lm_head.weight": widen_head(start["lm_head.weight"], own, vocab),
+                   "d2t": vocab.d2t.to(start["d2t"].device), "t2d": vocab.t2d.to(start["t2d"].device)}
 
 
 def comm_device(device: torch.device) -> torch.device:
