@@ -281,16 +281,17 @@ kernel_cache_dirs() {  # $1 a root ('' for this machine's own /): the kernel cac
 }
 restore_kernels() {  # never fails the step: a file that does not unpack, or a cache that cannot move, is left out
   [ ! -d "$TRITON_CACHE" ] || return 0  # this machine has compiled already
-  local f d moved tmp=/tmp/kernel-caches.unpack
+  local f d to moved tmp=/tmp/kernel-caches.unpack
   for f in .gpu-logs/kernel-caches.tar.xz .gpu/kernel-caches.tar.xz; do
     [ -f "$f" ] || continue
     rm -rf "$tmp"; mkdir -p "$tmp"
     if ! tar -C "$tmp" -xJf "$f"; then echo "kernel caches: $f did not unpack" >&2; rm -rf "$tmp"; continue; fi
     moved=
     while read -r d; do  # each cache moves into place whole, where this machine has none yet
-      [ ! -e "${d#"$tmp"}" ] || continue
-      if { mkdir -p "$(dirname "${d#"$tmp"}")" && mv "$d" "${d#"$tmp"}"; } 2>/dev/null; then moved+=" ${d#"$tmp"}"
-      else echo "kernel cache ${d#"$tmp"} left out: it did not move into place" >&2; rm -rf "${d#"$tmp"}"; fi
+      to=${d#"$tmp"}
+      [ ! -e "$to" ] || continue
+      if { mkdir -p "$(dirname "$to")" && mv "$d" "$to"; } 2>/dev/null; then moved+=" $to"
+      else echo "kernel cache $to left out: it did not move into place" >&2; rm -rf "$to"; fi
     done < <(kernel_cache_dirs "$tmp")
     rm -rf "$tmp"
     echo "kernel caches restored from $f:${moved:- none (another HOME?)}"
@@ -305,22 +306,20 @@ restore_kernels() {  # never fails the step: a file that does not unpack, or a c
   return 0
 }
 KERNEL_CACHES_MAX_KB=204800  # caches above this, uncompressed, are not packed whole (xz of ~200 MB: a minute or more)
+pack_caches() {  # paths relative to /: packed into /tmp/kernel-caches.tar.xz; fails when that is not one file of 15 MB
+  { tar -C / -cf - "$@" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; } && [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -le 15000000 ]
+}
 save_kernels() {  # never fails the step either
-  local dirs=() rels=() d kb why=
+  local dirs=() rels=() d kb
   mapfile -t dirs < <(kernel_cache_dirs '')
   [ "${#dirs[@]}" -gt 0 ] || return 0
   du -s "${dirs[@]}" > "$R/kernel-caches.txt" 2>/dev/null || true
   kb=$(du -sc "${dirs[@]}" 2>/dev/null | tail -1 | cut -f1) || kb=0
   for d in "${dirs[@]}"; do rels+=("${d#/}"); done
-  if [ "${kb:-0}" -gt "$KERNEL_CACHES_MAX_KB" ]; then why="$kb KB before compression"
-  elif ! { tar -C / -cf - "${rels[@]}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; }; then why="tar or xz failed"
-  elif [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -gt 15000000 ]; then why="over 15 MB compressed"
-  fi
-  if [ -n "$why" ]; then
-    echo "kernel caches: $why; bringing back Triton's alone" >&2
+  if [ "${kb:-0}" -gt "$KERNEL_CACHES_MAX_KB" ] || ! pack_caches "${rels[@]}"; then
+    echo "kernel caches: $kb KB before compression (at most $KERNEL_CACHES_MAX_KB) or over 15 MB packed; Triton's alone" >&2
     [ -d "$TRITON_CACHE" ] || return 0
-    { tar -C / -cf - "${TRITON_CACHE#/}" | xz -T0 -6 > /tmp/kernel-caches.tar.xz; } || return 0
-    [ "$(stat -c %s /tmp/kernel-caches.tar.xz)" -le 15000000 ] || { echo "Triton's cache too big too" >&2; return 0; }
+    pack_caches "${TRITON_CACHE#/}" || { echo "Triton's cache did not either" >&2; return 0; }
   fi
   cp /tmp/kernel-caches.tar.xz "$OUT/" || true
   return 0
