@@ -17,7 +17,7 @@ from eaglenest.forms import show_bounds
 
 RESUME_MUTABLE = frozenset({
     "store", "target", "out_dir", "max_minutes", "log_every", "eval_every", "save_every", "keep_checkpoints",
-    "threads", "device", "check_store_sha256", "eval_sets", "prefetch", "prefetch_steps",
+    "threads", "device", "check_store_sha256", "eval_sets", "eval_steps", "prefetch", "prefetch_steps",
 })
 """Locations (content is checked separately: store fingerprint, target model hash), pacing, and what is
 evaluated besides training (eval sets are only scored, never trained on)."""
@@ -79,6 +79,10 @@ class TrainConfig(BaseModel):
         "holding several prompt sets (sample ids '<set>:<id>', as the calibration capture writes) contributes "
         "the samples of the set named like the key.")
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_steps: int | None = Field(None, ge=1, le=16, description=(
+        "Draft steps each evaluation unrolls (default: ttt_steps). Deeper than training shows what a deeper SGLang "
+        "chain or tree would accept, e.g. 7 for a drafter trained with TTT 4 and served as a 7-step tree; only "
+        "scored, training is unchanged."))
     save_every: int = Field(100, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=2, description="Complete checkpoints kept (>= 2).")
     max_minutes: float | None = Field(

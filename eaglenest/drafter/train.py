@@ -311,7 +311,8 @@ class Trainer:
         """Held-out split and every eval set (rank 0); logs one event per set. Returns {set: metrics}."""
         if self.d.rank != 0:
             return None
-        cfg, k = self.config, self.config.ttt_steps
+        cfg = self.config
+        k = cfg.eval_steps or cfg.ttt_steps
         targets = [(HELDOUT, self.store, self.eval_idx)] + [
             (name, st, list(range(min(len(st), cfg.eval_max_samples or len(st)))))
             for name, st in self.eval_stores.items()]

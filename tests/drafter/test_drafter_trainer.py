@@ -129,6 +129,21 @@ def test_two_ttt_steps_log_no_depth_that_does_not_exist(tmp_path, tiny_model_dir
     assert lines and all("nan" not in x and "@3" not in x and "@2" in x for x in lines), lines
 
 
+def test_evaluation_unrolls_deeper_than_training_and_leaves_training_unchanged(tmp_path, tiny_model_dir,
+                                                                              drafter_store):
+    """eval_steps 4 on a TTT-2 drafter scores depths 1-4 (a 4-step chain's view); depths 1-2 equal the TTT-2 view,
+    and the training step does not see the setting."""
+    shallow = Trainer.setup(config(tmp_path / "a", tiny_model_dir, ttt_steps=2), store=drafter_store)
+    deep = Trainer.setup(config(tmp_path / "b", tiny_model_dir, ttt_steps=2, eval_steps=4), store=drafter_store)
+    a, b = shallow.evaluate()[HELDOUT], deep.evaluate()[HELDOUT]
+    assert sorted(a["accept_length_cycles"]) == ["1", "2"] and sorted(b["accept_length_cycles"]) == ["1", "2", "3", "4"]
+    for d in ("1", "2"):
+        assert b["accept_length_cycles"][d] == pytest.approx(a["accept_length_cycles"][d])
+    depths = [b["accept_length_cycles"][d] for d in ("1", "2", "3", "4")]
+    assert depths == sorted(depths)
+    assert shallow.step()["loss"] == pytest.approx(deep.step()["loss"])
+
+
 def test_an_eval_set_key_picks_its_prompt_set_out_of_a_shared_capture(drafter_store):
 
     from eaglenest.drafter.data import prompt_set_view
