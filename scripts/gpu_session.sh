@@ -567,13 +567,7 @@ r = check_kernels('cuda')
 print(json.dumps(r))
 sys.exit(0 if r['ok'] else 1)" > "$R/kl-check.txt" 2>&1; then kl_ok=1; fi
     if [ "${KL_AB:-0}" = 1 ]; then
-      # the grid's draft vocabulary (its first config's; a continued drafter's own when the config names none)
-      vocab=$(python3 -c "
-import json, os, sys
-cfg = next(iter(json.load(open(sys.argv[1])).values()))
-init = cfg.get('init_from')
-own = json.load(open(os.path.join(init, 'config.json'))).get('draft_vocab_size') if init else None
-print(cfg.get('draft_vocab_size') or own or 32000)" "$grid")
+      vocab=$(python3 scripts/gpu_sweep.py --planned-vocab --grid "$grid" --target "$MODEL")  # its first config's
       for kern in torch triton torch triton; do
         left=$(( kl_end - $(date +%s) )); [ "$left" -gt 5 ] || break
         run env EAGLENEST_KL_KERNEL=$kern timeout "$left" python3 scripts/bench_train.py step --device cuda \

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root
 
 # 32K tokens a step: on scripts/bench_train.py's 512-token rows the H200 step costs what 16K does (0.145 vs 0.151 s:
 # the host's kernel launches set its pace); one config trains at 143.6K tok/s, not 108.9K (results/2026-12-04-h200)
+# eval_steps 7: every config is also scored seven draft steps deep, as deep as the 7-step trees served, whatever its TTT
 BASE = {"draft_vocab_size": 32000, "max_tokens": 32768, "max_seq_len": 2048, "lr": 1e-3, "ttt_steps": 7,
-        "device": "cuda", "save_every": 500, "log_every": 50, "threads": 2}
+        "eval_steps": 7, "device": "cuda", "save_every": 500, "log_every": 50, "threads": 2}
 PRESET = {
     "base": {},
     "lr3e-4": {"lr": 3e-4},
@@ -49,6 +50,17 @@ def sweep_config(over: dict, schedule: dict, fixed: dict) -> dict:
     never asked for)."""
     base = {k: v for k, v in BASE.items() if not (over.get("init_from") and k == "draft_vocab_size")}
     return {**base, **schedule, **over, **fixed}
+
+
+def planned_vocab(over: dict, target: str) -> int:
+    """The draft vocabulary the trainer will use for one grid config (``over``) on ``target`` (a model folder)."""
+    from eaglenest.drafter.train_state import planned_vocab_size
+
+    cfg = sweep_config(over, {}, {})
+    init = cfg.get("init_from")
+    own = json.loads((Path(init) / "config.json").read_text()).get("draft_vocab_size") if init else None
+    vocab_size = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    return planned_vocab_size(cfg.get("draft_vocab_size"), own, vocab_size, cfg["device"])
 
 
 def worker(config_path: str) -> int:
@@ -75,9 +87,16 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--max-minutes", type=float, default=None, help="safety stop per config")
     ap.add_argument("--work", default="/tmp/sweep")
+    ap.add_argument("--planned-vocab", action="store_true",
+                    help="print the draft vocabulary size the grid's first config will train with (needs --target)")
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker)
+    if a.planned_vocab:
+        if not (a.grid and a.target):
+            ap.error("--planned-vocab needs --grid and --target")
+        print(planned_vocab(next(iter(json.loads(Path(a.grid).read_text()).values())), a.target))
+        return 0
     if not (a.store and a.target):
         ap.error("--store and --target are required")
     from eaglenest.drafter.config import TrainConfig

@@ -215,14 +215,24 @@ def resolve_device(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
     return torch.device(device), bf16
 
 
+def planned_vocab_size(asked: int | None, own: int | None, vocab_size: int, device_type: str) -> int:
+    """The draft vocabulary size a run trains with, the one rule for the trainer and for whoever plans around it:
+    a continued drafter's own (``own``) unless ``asked`` is larger (it is then widened to ``asked``); a fresh
+    run's ``asked``, or, unset, min(32000 on a GPU, 8192 on a CPU, the target's ``vocab_size``)."""
+    if own is not None and (asked or 0) <= own:
+        return own
+    return asked or min(32000 if device_type == "cuda" else 8192, vocab_size)
+
+
 def build_vocab(config: TrainConfig, store, train_idx: list[int], vocab_size: int, device, d: Dist, *,
                 own: DraftVocab | None = None) -> DraftVocab:
     """A new run's draft vocabulary from its training split (rank 0 counts, the others receive it); with ``own``
     (the vocabulary of the drafter it continues) that one, widened to a larger ``draft_vocab_size`` by the split's
     most frequent tokens it lacks (its head: :func:`continued_start`)."""
-    if own is not None and (config.draft_vocab_size or 0) <= own.size:  # unset: the drafter's own is kept
+    size = planned_vocab_size(config.draft_vocab_size, own.size if own is not None else None, vocab_size,
+                              device.type)
+    if own is not None and size == own.size:
         return own
-    size = config.draft_vocab_size or min(32000 if device.type == "cuda" else 8192, vocab_size)
     if size > vocab_size:  # (on every rank: one that raised alone would leave the others in the broadcast)
         raise contract.ContractError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
     if d.rank == 0:

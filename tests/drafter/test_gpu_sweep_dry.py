@@ -63,3 +63,22 @@ def test_a_continued_config_keeps_its_drafters_vocabulary():
     # the grid may change the schedule, never where the run reads and writes
     over = TrainConfig(**sweep_config({"epochs": 1.2, "out_dir": "/elsewhere"}, schedule, fixed))
     assert over.epochs == 1.2 and over.out_dir == "/o"
+
+
+def test_the_planned_vocabulary_is_the_trainers(tmp_path):
+    """--planned-vocab (what gpu_session's KL_AB times) follows the trainer's one rule: BASE's 32000 for a fresh
+    config, a continued drafter's own unless the config asks for more, never more than the target's vocabulary."""
+    import runpy
+
+    from eaglenest.drafter.train_state import planned_vocab_size
+
+    planned = runpy.run_path(str(ROOT / "scripts" / "gpu_sweep.py"))["planned_vocab"]
+    target, drafter = tmp_path / "target", tmp_path / "n13"
+    for folder, cfg in ((target, {"vocab_size": 49152}), (drafter, {"draft_vocab_size": 16000})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+    assert planned({}, str(target)) == 32000
+    assert planned({"draft_vocab_size": 8000}, str(target)) == 8000
+    assert planned({"init_from": str(drafter)}, str(target)) == 16000
+    assert planned({"init_from": str(drafter), "draft_vocab_size": 32000}, str(target)) == 32000
+    assert planned_vocab_size(None, None, 500, "cuda") == 500 and planned_vocab_size(None, None, 49152, "cpu") == 8192
