@@ -6,10 +6,12 @@ accept length at steps 3 above both on MT-Bench, HumanEval and ShareGPT). Drafte
 initializations share no basin: their average is not a drafter, which no check here can tell; averaging is for one
 lineage.
 
-Invariants: the sources must agree on everything but their weights' values (drafter shape, draft vocabulary, target
-and capture convention), else ContractError naming what differs and nothing is written; the result is a regular
-export (:func:`~eaglenest.drafter.export.export_drafter`) in the first source's format and dtype, means taken in
-float32.
+Invariants: the sources must agree on everything but their weights' values (drafter shape, target and capture
+convention), else ContractError naming what differs and nothing is written; the result is a regular export
+(:func:`~eaglenest.drafter.export.export_drafter`) in the first source's format, dtype and draft vocabulary, means
+taken in float32. Draft vocabularies may differ across a widening (``train --init-from D --draft-vocab N``): the first
+source's must hold every other's, and each LM-head row is the mean over the sources that hold its token (weights
+renormalized), so a token the widening added keeps its trained row instead of half of it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest.drafter.export import export_drafter, read_export, speculative_tokens
+from eaglenest.drafter.vocab import DraftVocab, widen_head
 
 _SAME_PROVENANCE = ("model_hash", "hidden_size", "aux_layer_ids", "convention")
 
@@ -43,7 +46,9 @@ def average_exports(srcs: Sequence[str | Path], out_dir: str | Path, *, weights:
         _check_same(srcs[0], first, src, other)
     mean = {}
     for k, v in first.weights.items():
-        if v.is_floating_point():
+        if k == _HEAD:
+            mean[k] = _head_mean(first, [d for _, d in read], w)
+        elif v.is_floating_point():
             mean[k] = sum(x * d.weights[k].float() for x, (_, d) in zip(w, read, strict=True))
         else:
             mean[k] = v
@@ -54,11 +59,41 @@ def average_exports(srcs: Sequence[str | Path], out_dir: str | Path, *, weights:
                           **speculative_tokens(srcs[0], manifest["format"]))
 
 
+_HEAD = "lm_head.weight"
+_VOCAB_WEIGHTS = (_HEAD, "d2t", "t2d")
+
+
+def _vocab(d) -> DraftVocab:
+    return DraftVocab.from_d2t(d.weights["d2t"], d.config.vocab_size)
+
+
+def _head_mean(first, drafters: list, w: list[float]) -> torch.Tensor:
+    """The LM head's mean in the first drafter's vocabulary: each row over the drafters that hold its token."""
+    vocab = _vocab(first)
+    total = torch.zeros(vocab.size, first.weights[_HEAD].shape[1])
+    mass = torch.zeros(vocab.size, 1)
+    for x, d in zip(w, drafters, strict=True):
+        own, head = _vocab(d), d.weights[_HEAD].float()
+        held = torch.ones(vocab.size, 1)
+        if own.size != vocab.size:  # a narrower vocabulary the first holds (_check_same)
+            head = widen_head(head, own, vocab)
+            held = torch.isin(vocab.target_ids, own.target_ids).float()[:, None]
+        total += x * head
+        mass += x * held
+    return total / mass
+
+
 def _check_same(a_path: Path, a, b_path: Path, b) -> None:
     problems = []
-    if a.config != b.config:
-        diff = {f.name for f in dataclasses.fields(a.config) if getattr(a.config, f.name) != getattr(b.config, f.name)}
-        problems.append(f"drafter config ({', '.join(sorted(diff))})")
+    diff = {f.name for f in dataclasses.fields(a.config) if getattr(a.config, f.name) != getattr(b.config, f.name)}
+    widened = diff == {"draft_vocab_size"} and a.config.draft_vocab_size > b.config.draft_vocab_size
+    if widened and not bool(torch.isin(_vocab(b).target_ids, _vocab(a).target_ids).all()):
+        problems.append(f"draft vocabulary: {a_path}'s ({a.config.draft_vocab_size} tokens) does not hold all of "
+                        f"{b_path}'s ({b.config.draft_vocab_size}); only a widening of it averages with it")
+    elif diff and not widened:
+        hint = " (list the widest drafter first: its vocabulary must hold the others')" \
+            if diff == {"draft_vocab_size"} else ""
+        problems.append(f"drafter config ({', '.join(sorted(diff))}){hint}")
     for field in _SAME_PROVENANCE:
         if getattr(a.provenance, field) != getattr(b.provenance, field):
             problems.append(f"{field} {getattr(a.provenance, field)!r} != {getattr(b.provenance, field)!r}")
@@ -67,6 +102,8 @@ def _check_same(a_path: Path, a, b_path: Path, b) -> None:
             problems.append(f"weight names ({', '.join(sorted(a.weights.keys() ^ b.weights.keys()))})")
         else:
             for k, v in a.weights.items():
+                if widened and k in _VOCAB_WEIGHTS:
+                    continue  # (the vocabulary's containment is checked above)
                 if v.shape != b.weights[k].shape:
                     problems.append(f"{k} shape {tuple(v.shape)} != {tuple(b.weights[k].shape)}")
                 elif not v.is_floating_point() and not torch.equal(v, b.weights[k]):

@@ -63,8 +63,13 @@ def test_averaging_one_drafter_with_itself_changes_nothing(pair, tmp_path):
 def test_sources_that_differ_are_refused_naming_what(pair, tmp_path, drafter_store):
     a, b = pair
     trimmed = trim_export(b, tmp_path / "t40", size=40, counts=torch.ones(512).numpy()).out_dir
-    with pytest.raises(ContractError, match=r"t40 cannot be averaged with .*a: drafter config \(draft_vocab_size\)"):
-        average_exports([a, trimmed], tmp_path / "x")
+    with pytest.raises(ContractError, match=r"a cannot be averaged with .*t40: drafter config \(draft_vocab_size\) "
+                                            r"\(list the widest drafter first"):
+        average_exports([trimmed, a], tmp_path / "x")
+    high = trim_export(a, tmp_path / "high", size=60, counts=torch.arange(512).numpy()).out_dir
+    low = trim_export(b, tmp_path / "low", size=40, counts=torch.arange(512).flip(0).numpy()).out_dir
+    with pytest.raises(ContractError, match=r"high's \(60 tokens\) does not hold all of .*low's \(40\)"):
+        average_exports([high, low], tmp_path / "x")
     _, drafter = read_export(b)
     other = export_drafter(dataclasses.replace(
         drafter, provenance=dataclasses.replace(drafter.provenance, model_hash="f" * 64)), tmp_path / "other")
@@ -82,6 +87,27 @@ def test_sources_that_differ_are_refused_naming_what(pair, tmp_path, drafter_sto
     with pytest.raises(ContractError, match=r"no eaglenest\.json; averaging takes eaglenest exports"):
         average_exports([a, tmp_path], tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_drafter_averages_with_the_narrower_one_it_widened(pair, tmp_path):
+    """Across a widening (the first drafter's vocabulary holds the second's): each head row is the mean over the
+    drafters that hold its token, so the rows of the tokens the widening added stay the wide drafter's own; every
+    other weight is the plain mean, and the result keeps the wide vocabulary."""
+    a, b = pair
+    narrow = trim_export(b, tmp_path / "t40", size=40, counts=torch.arange(512).numpy()).out_dir
+    out = average_exports([a, narrow], tmp_path / "soup", weights=(3.0, 1.0))
+    fa, fn, fo = floats(a), floats(narrow), floats(out)
+    src, soup, small = (load_file(str(p / "model.safetensors")) for p in (a, out, narrow))
+    assert torch.equal(soup["d2t"], src["d2t"]) and torch.equal(soup["t2d"], src["t2d"])
+    ids = src["d2t"] + torch.arange(src["d2t"].numel())
+    held = torch.isin(ids, small["d2t"] + torch.arange(40))
+    assert int(held.sum()) == 40
+    head = fo["lm_head.weight"]
+    assert torch.equal(head[~held], fa["lm_head.weight"][~held])  # the added tokens: the wide drafter's rows
+    mean = 0.75 * fa["lm_head.weight"][held] + 0.25 * fn["lm_head.weight"]
+    assert torch.equal(head[held], mean.to(torch.bfloat16).float())
+    for k in fo.keys() - {"lm_head.weight"}:
+        assert torch.equal(fo[k], (0.75 * fa[k] + 0.25 * fn[k]).to(torch.bfloat16).float()), k
 
 
 def test_cli_averages_and_reports_bad_input_in_one_line(pair, tmp_path, capsys):
