@@ -156,6 +156,26 @@
 # "init_from": "/tmp/init-drafter/n13-avg"}}' > /tmp/grid-n14.json && GRID=/tmp/grid-n14.json INIT_FROM=parts:n13-avg
 # STORE=extraction TRAIN_MINUTES=7 ...train` (a 32,000-token head trains ~15% slower: n9 192K tok/s; no AVERAGE: a
 # drafter and its widened continuation do not average), bench, the 7x8x48 tree alone and in rounds.
+# n14 (results/2026-12-06e-h100, H100 at once, 1,742 s used): that plan as written (setup x4: the kit + Triton's cache;
+# gguf1; gguf2, which built the model in 38 s; parts-n13-avg), data (seed 15: launch 111 s, the second server 165 s,
+# 20K prompts 59 s, 264 s of stream, 17,730 samples, 8.4M tokens, 39 GB), train (n13-avg widened to 32,000 draft
+# tokens, lr 1e-3, 7.3 epochs, 1,950 steps at 183K tok/s: the wider head cost no speed), bench (DRAFTERS="n14
+# /tmp/init-drafter/n13-avg"), 7x8x48 in 3 rounds, 6x8x48 in 2. Steps 3: n14 MT-Bench 2.49 / 2.47, HumanEval 2.96 /
+# 2.87, ShareGPT 2.86 / 2.85 (met); n13-avg again 2.45 beside it. Trees at c=1 in alternating rounds: 7x8x48 4.54 at
+# 1.40x (rounds 1.40, 1.41, 1.40: they agree this time), 6x8x48 4.26 at 1.38x. n14's steps-3 cycles (3.7 ms) cost
+# 0.5 ms more than n13-avg's on the same host; in 2026-12-06d too the drafter served first in a bench call ran 0.7 ms
+# slower a cycle than the one after it (4.03 against 3.32 ms), so the order, not the vocabulary, is the suspect (not
+# resolved). Offline on the CPU (results/2026-12-06e-cpu) n14 gained most at depth 7 (MT-Bench 3.05 -> 3.26), and its
+# mean with n13-avg (`eaglenest average` now averages across a widening) fell between the two: continue n14 itself.
+# Next: setup x3 (the kit + .gpu-logs/kernel-caches.tar.xz; gguf1; gguf2), setup with .device/bin and
+# .gpu-drafters/parts-n14/drafter-n14.tar.partaa, ab, ac (ad, ae go with train), data with a new seed (16), then
+# `echo '{"n15": {"ttt_steps": 7, "lr": 0.001, "draft_intermediate_size": 6144, "init_from": "/tmp/init-drafter/n14"}}'
+# > /tmp/grid-n15.json && GRID=/tmp/grid-n15.json INIT_FROM=parts:n14 AVERAGE=1 STORE=extraction TRAIN_MINUTES=7
+# TRAIN_TOK_S=120000 ...train` (TTT 7 for the 7-step tree: the sweep now scores every config 7 steps deep, so n15's
+# depth-7 curve compares with n14's; the vocabulary stays n14's 32,000), bench with DRAFTERS="n15 n15-avg
+# /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question), then the 7x8x48
+# tree in rounds for the best. A probe worth 150 s when there is time: SGL_EXTRA="--attention-backend flashinfer" on
+# a tree bench (the kit carries flashinfer, and its JIT cache filled on this host; never tried as the backend).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -635,9 +655,10 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   for name in $(grid_names "$grid"); do
     run python3 -m eaglenest export "/tmp/sweep/$name" "/tmp/export/$name" --target "$MODEL"
     # AVERAGE=1 (with INIT_FROM): also NAME-avg, the mean of the continued drafter's weights and those it started
-    # from (`eaglenest average`: n9 + n10 beat both offline, results/2026-12-05g-cpu); bench DRAFTERS="NAME NAME-avg"
+    # from (`eaglenest average`: n9 + n10 beat both offline, results/2026-12-05g-cpu); bench DRAFTERS="NAME NAME-avg";
+    # the continued drafter first: a widened one holds the vocabulary it started from, not the other way round
     if [ "${AVERAGE:-0}" = 1 ] && [ -n "$init_dir" ]; then
-      run python3 -m eaglenest average "$init_dir" "/tmp/export/$name" --out "/tmp/export/$name-avg" --overwrite \
+      run python3 -m eaglenest average "/tmp/export/$name" "$init_dir" --out "/tmp/export/$name-avg" --overwrite \
         || echo "average $name exited $?" >&2
     fi
   done
