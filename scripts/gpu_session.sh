@@ -172,7 +172,8 @@
 # `echo '{"n15": {"ttt_steps": 7, "lr": 0.001, "draft_intermediate_size": 6144, "init_from": "/tmp/init-drafter/n14"}}'
 # > /tmp/grid-n15.json && GRID=/tmp/grid-n15.json INIT_FROM=parts:n14 AVERAGE=1 STORE=extraction TRAIN_MINUTES=7
 # TRAIN_TOK_S=120000 ...train` (TTT 7 for the 7-step tree: the sweep now scores every config 7 steps deep, so n15's
-# depth-7 curve compares with n14's; the vocabulary stays n14's 32,000), bench with DRAFTERS="n15 n15-avg
+# depth-7 curve compares with n14's; the vocabulary stays n14's 32,000; TTT 7 at 32K tokens a step never ran on an
+# H100: should it run out of memory, "max_tokens": 16384, "grad_accum": 2 in the grid), bench with DRAFTERS="n15 n15-avg
 # /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question), then the 7x8x48
 # tree in rounds for the best. A probe worth 150 s when there is time: SGL_EXTRA="--attention-backend flashinfer" on
 # a tree bench (the kit carries flashinfer, and its JIT cache filled on this host; never tried as the backend).
