@@ -41,20 +41,25 @@ def shown_depths(depths: list[int]) -> list[int]:
     return sorted({d for d in (1, 2, 3, max(depths)) if d in depths}) if depths else []
 
 
+def _points(evs: list[dict], d: int) -> tuple[list[int], list[float]]:
+    """(steps, accept lengths) at depth ``d`` of the evals that scored it (a run resumed with another eval_steps
+    holds evals of different depths)."""
+    at = [e for e in evs if str(d) in e["accept_length"]]
+    return [e["step"] for e in at], [e["accept_length"][str(d)] for e in at]
+
+
 def draw_accept_lengths(ax, m: dict[str, list[dict]]) -> list[str]:
     """Held-out accept length per shown depth, and each eval set's at depth 3 (dashed); returns the labels."""
     labels = []
     evs = m.get("eval") or []
     if evs:
         for d in shown_depths(sorted(int(x) for x in evs[-1]["accept_length"])):
-            ax.plot([e["step"] for e in evs], [e["accept_length"][str(d)] for e in evs], marker="o",
-                    label=f"held-out depth {d}")
+            ax.plot(*_points(evs, d), marker="o", label=f"held-out depth {d}")
             labels.append(f"held-out depth {d}")
     for kind in sorted(k for k in m if k.startswith("eval:")):
         evs = m[kind]
-        d = str(min(3, max(int(x) for x in evs[-1]["accept_length"])))
-        ax.plot([e["step"] for e in evs], [e["accept_length"][d] for e in evs], ls="--", marker="s",
-                label=f"{kind[5:]} depth {d}")
+        d = min(3, max(int(x) for x in evs[-1]["accept_length"]))
+        ax.plot(*_points(evs, d), ls="--", marker="s", label=f"{kind[5:]} depth {d}")
         labels.append(f"{kind[5:]} depth {d}")
     if labels:
         ax.legend(loc="lower right")

@@ -100,6 +100,29 @@ def test_eval_sets_are_logged_per_set_and_returned(tmp_path, tiny_model_dir, dra
     assert labels == ["held-out depth 1", "held-out depth 2", "held-out depth 3", "mt-bench depth 3"]
 
 
+def test_evals_of_different_depths_in_one_run_plot(tmp_path):
+    """A run resumed with another eval_steps holds evals of different depths: each depth is drawn where it was
+    scored (a depth the earlier evals lack raised a KeyError in the report step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eaglenest.drafter.report import draw_accept_lengths
+
+    def ev(step, k):
+        return {"step": step, "accept_length": {str(d): 1.0 + 0.1 * d for d in range(1, k + 1)}}
+
+    m = {"eval": [ev(1, 2), ev(2, 4)], "eval:mt-bench": [ev(1, 4), ev(2, 2)]}
+    fig, ax = plt.subplots()
+    labels = draw_accept_lengths(ax, m)
+    lines = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
+    plt.close(fig)
+    assert labels == ["held-out depth 1", "held-out depth 2", "held-out depth 3", "held-out depth 4",
+                      "mt-bench depth 2"]
+    assert lines["held-out depth 1"] == [1, 2] and lines["held-out depth 4"] == [2]
+
+
 def test_an_eval_set_from_other_aux_layers_is_refused(tmp_path, tiny_model_dir, drafter_store):
     import dataclasses
 
