@@ -108,6 +108,13 @@ def test_a_drafter_averages_with_the_narrower_one_it_widened(pair, tmp_path):
     assert torch.equal(head[held], mean.to(torch.bfloat16).float())
     for k in fo.keys() - {"lm_head.weight"}:
         assert torch.equal(fo[k], (0.75 * fa[k] + 0.25 * fn[k]).to(torch.bfloat16).float()), k
+    # three drafters, one narrower: a row held by all is their plain mean, one held by two is renormalized over them
+    fb = floats(b)
+    three = floats(average_exports([a, b, narrow], tmp_path / "three", weights=(2.0, 1.0, 1.0)))["lm_head.weight"]
+    both = (2 * fa["lm_head.weight"][~held] + fb["lm_head.weight"][~held]) / 3
+    torch.testing.assert_close(three[~held], both.to(torch.bfloat16).float(), rtol=0, atol=0)
+    every = 0.5 * fa["lm_head.weight"][held] + 0.25 * fb["lm_head.weight"][held] + 0.25 * fn["lm_head.weight"]
+    assert torch.equal(three[held], every.to(torch.bfloat16).float())
 
 
 def test_cli_averages_and_reports_bad_input_in_one_line(pair, tmp_path, capsys):
