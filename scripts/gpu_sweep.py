@@ -49,7 +49,10 @@ def sweep_config(over: dict, schedule: dict, fixed: dict) -> dict:
     32000 would contradict a 16000-token drafter (2026-12-06c: a continuation was refused for a size its grid
     never asked for)."""
     base = {k: v for k, v in BASE.items() if not (over.get("init_from") and k == "draft_vocab_size")}
-    return {**base, **schedule, **over, **fixed}
+    cfg = {**base, **schedule, **over, **fixed}
+    if "eval_steps" not in over:  # never shallower than the config trains
+        cfg["eval_steps"] = max(cfg["eval_steps"], cfg["ttt_steps"])
+    return cfg
 
 
 def planned_vocab(over: dict, target: str) -> int:
@@ -60,7 +63,12 @@ def planned_vocab(over: dict, target: str) -> int:
     init = cfg.get("init_from")
     own = json.loads((Path(init) / "config.json").read_text()).get("draft_vocab_size") if init else None
     vocab_size = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
-    return planned_vocab_size(cfg.get("draft_vocab_size"), own, vocab_size, cfg["device"])
+    device = cfg["device"]
+    if device == "auto":  # as the trainer resolves it
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return planned_vocab_size(cfg.get("draft_vocab_size"), own, vocab_size, device)
 
 
 def worker(config_path: str) -> int:

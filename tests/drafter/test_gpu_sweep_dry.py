@@ -82,3 +82,14 @@ def test_the_planned_vocabulary_is_the_trainers(tmp_path):
     assert planned({"init_from": str(drafter)}, str(target)) == 16000
     assert planned({"init_from": str(drafter), "draft_vocab_size": 32000}, str(target)) == 32000
     assert planned_vocab_size(None, None, 500, "cuda") == 500 and planned_vocab_size(None, None, 49152, "cpu") == 8192
+    # "auto" resolves as the trainer does (this machine: no GPU)
+    assert planned({"device": "auto", "draft_vocab_size": None}, str(target)) == 8192
+
+
+def test_the_sweep_scores_seven_steps_deep_and_never_shallower_than_it_trains():
+    import runpy
+
+    sweep_config = runpy.run_path(str(ROOT / "scripts" / "gpu_sweep.py"))["sweep_config"]
+    assert sweep_config({"ttt_steps": 4}, {}, {})["eval_steps"] == 7
+    assert sweep_config({"ttt_steps": 10}, {}, {})["eval_steps"] == 10
+    assert sweep_config({"ttt_steps": 4, "eval_steps": 5}, {}, {})["eval_steps"] == 5
