@@ -174,7 +174,8 @@
 # TRAIN_TOK_S=120000 ...train` (TTT 7 for the 7-step tree: the sweep now scores every config 7 steps deep, so n15's
 # depth-7 curve compares with n14's; the vocabulary stays n14's 32,000; TTT 7 at 32K tokens a step never ran on an
 # H100: should it run out of memory, "max_tokens": 16384, "grad_accum": 2 in the grid), bench with DRAFTERS="n15 n15-avg
-# /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question), then the 7x8x48
+# /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question, and the bench's
+# host-samples.txt, every 10 s, says what the host ran meanwhile), then the 7x8x48
 # tree in rounds for the best. A probe worth 150 s when there is time: SGL_EXTRA="--attention-backend flashinfer" on
 # a tree bench (the kit carries flashinfer, and its JIT cache filled on this host; never tried as the backend).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
@@ -208,7 +209,8 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
 mkdir -p "$OUT" "$R"
-trap 'cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"' EXIT
+finish() { cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"; }
+trap finish EXIT
 # shellcheck disable=SC1091
 source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
@@ -349,11 +351,27 @@ save_kernels() {  # never fails the step either
 machine_state() {  # $1 a file: what the host and the GPU are doing (EAGLE3's cycle cost at 1 request is host-bound and
   # has moved 1.5x between machines: 3.1 ms on 2026-12-03e, 4.3 ms on 2026-12-05e, same flags and drafter shape)
   { date -u; lscpu | grep -E 'Model name|^CPU\(s\)|MHz' || true; cat /proc/loadavg
+    echo "nproc $(nproc); cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"
     ps -eo pid,pcpu,rss,etimes,comm --sort=-pcpu | head -12 || true
     nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,memory.used \
       --format=csv || true
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv || true
     nvidia-smi -q -d PERFORMANCE | grep -A12 'Clocks Event Reasons' || true; } > "$1" 2>&1
+}
+
+host_samples() {  # $1 a file: every 10 s while a bench measures, what the host runs now (top's second frame: the last
+  # second's %CPU), the core each SGLang/Python process last ran on (psr) and the GPU's clock. EAGLE3's cycle at 1
+  # request is host-bound and differed 15-20% between two launches of one shape in one call (2026-12-06d, e: the
+  # drafter served first ran slower a cycle than the next); these samples beside the servers' logs say whether the
+  # host was busy, or its processes shared cores, when it did. Runs until killed; a failed probe skips a line.
+  set +e +o pipefail
+  while :; do
+    { echo "== $(date -u +%T) load $(cat /proc/loadavg)"
+      top -b -n 2 -d 1 -w 160 2>/dev/null | awk '/^top -/ {n++} n == 2' | sed -n '7,15p'
+      ps -eo pid,psr,pcpu,etimes,args --sort=-pcpu | grep -E '[s]glang|[p]ython' | cut -c1-150 | head -12
+      nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader || true; } >> "$1" 2>&1
+    sleep 9
+  done
 }
 
 send_back() {  # $1 an exported drafter of /tmp/export, in parts of <= 15 MB, when $OUT then holds at most $2 files
@@ -683,6 +701,8 @@ bench)
   # this call, the prompt sets from .gpu
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
+  host_samples "$R/host-samples.txt" & sampler=$!
+  trap 'kill "$sampler" 2>/dev/null; finish' EXIT  # (the sampler must not outlive the call)
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   drafters=${DRAFTERS:-wide}  # (unset: the last train call's drafters)
   [ -n "${DRAFTERS:-}" ] || [ ! -f "$W/trained-grid.json" ] || drafters=$(grid_names "$W/trained-grid.json")
@@ -742,6 +762,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
+  kill "$sampler" 2>/dev/null || true
   # the kernel caches of these launches too (a data call cut short never reached its own save): keep the file
   # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
   save_kernels
