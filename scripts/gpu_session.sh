@@ -176,8 +176,9 @@
 # H100: should it run out of memory, "max_tokens": 16384, "grad_accum": 2 in the grid), bench with DRAFTERS="n15 n15-avg
 # /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question, and the bench's
 # host-samples.txt, every 10 s, says what the host ran meanwhile), then the 7x8x48
-# tree in rounds for the best. A probe worth 150 s when there is time: SGL_EXTRA="--attention-backend flashinfer" on
-# a tree bench (the kit carries flashinfer, and its JIT cache filled on this host; never tried as the backend).
+# tree in rounds for the best. A probe when 300 s are left: SGL_EXTRA="--attention-backend flashinfer" on a tree bench
+# (never tried as the backend; the kit carries flashinfer 0.6.15, whose JIT compiled its RMSNorm on this host, so nvcc
+# is there, but its attention kernels would compile at the first launch: minutes, not measured).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
