@@ -72,17 +72,17 @@ def _head_mean(first, drafters: list, w: list[float]) -> torch.Tensor:
     vocab = _vocab(first)
     total = torch.zeros(vocab.size, first.weights[_HEAD].shape[1])
     mass = torch.zeros(vocab.size, 1)
-    narrower = False
     for x, d in zip(w, drafters, strict=True):
         own, head = _vocab(d), d.weights[_HEAD].float()
         held = torch.ones(vocab.size, 1)
         if own.size != vocab.size:  # a narrower vocabulary the first holds (_check_same)
-            head, narrower = widen_head(head, own, vocab), True
+            head = widen_head(head, own, vocab)
             held = torch.isin(vocab.target_ids, own.target_ids).float()[:, None]
         total += x * head
         mass += x * held
-    # rows every drafter holds stay the plain weighted mean (the weights sum to 1 up to float32 rounding)
-    return torch.where(mass == mass.max(), total, total / mass) if narrower else total
+    # rows every drafter holds (all of them when no vocabulary is narrower) stay the plain weighted mean: the weights
+    # sum to 1 only up to float32 rounding
+    return torch.where(mass == mass.max(), total, total / mass)
 
 
 def _check_same(a_path: Path, a, b_path: Path, b) -> None:
