@@ -176,6 +176,15 @@ def cpu_supports_fast_bf16() -> bool:
     return False
 
 
+def auto_device(device: str) -> str:
+    """``auto`` as every stage resolves it: the GPU when torch sees one, else the CPU; any other name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def auto_dtype(device: str = "cpu") -> str:
     """bf16 on GPUs and on CPUs with native bf16; fp32 elsewhere (bf16 emulation is ~3x slower)."""
     if device != "cpu" or cpu_supports_fast_bf16():

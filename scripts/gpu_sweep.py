@@ -58,17 +58,13 @@ def sweep_config(over: dict, schedule: dict, fixed: dict) -> dict:
 def planned_vocab(over: dict, target: str) -> int:
     """The draft vocabulary the trainer will use for one grid config (``over``) on ``target`` (a model folder)."""
     from eaglenest.drafter.train_state import planned_vocab_size
+    from eaglenest.models import auto_device
 
     cfg = sweep_config(over, {}, {})
     init = cfg.get("init_from")
     own = json.loads((Path(init) / "config.json").read_text()).get("draft_vocab_size") if init else None
     vocab_size = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
-    device = cfg["device"]
-    if device == "auto":  # as the trainer resolves it
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return planned_vocab_size(cfg.get("draft_vocab_size"), own, vocab_size, device)
+    return planned_vocab_size(cfg.get("draft_vocab_size"), own, vocab_size, auto_device(cfg["device"]))
 
 
 def worker(config_path: str) -> int:

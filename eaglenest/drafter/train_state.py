@@ -205,9 +205,7 @@ def starting_drafter(config: TrainConfig, target_dir: Path, provenance: contract
 
 def resolve_device(config: TrainConfig, d: Dist) -> tuple[torch.device, bool]:
     """The run's device (a rank's own GPU under torchrun) and whether it computes in bf16."""
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = model_lib.auto_device(config.device)
     if device == "cuda" and d.world > 1:
         device = f"cuda:{d.local_rank}"
     bf16 = config.precision == "bf16" or (

@@ -320,7 +320,7 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
                          ) -> CalibrationReport:
     """Capture the target's greedy answers to ``source`` and put the drafter's offline estimate beside
     the live accept lengths of ``live_reports`` (bench report.json files of the same prompt sets)."""
-    from eaglenest.models import resolve_model
+    from eaglenest.models import auto_device, resolve_model
     from eaglenest.speculative.offline import load_offline_draft
     from eaglenest.store.extraction import open_samples as open_store
 
@@ -329,9 +329,7 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
         raise ValueError(f"the capture of {source} produced no samples: see {folder}/report.json")
     store = open_store(str(folder))
     model_dir = resolve_model(settings.model)
-    import torch
-
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = auto_device(device)
     dr, head = load_offline_draft(model_dir, draft)
     dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)

@@ -38,6 +38,7 @@ import torch
 from eaglenest.atomic import TMP_SUFFIX
 from eaglenest.contract import Provenance, Shard
 from eaglenest.extraction.ledger import Ledger, LedgerEntry, spans_to_mask
+from eaglenest.models import auto_device
 from eaglenest.store import layout as L
 from eaglenest.store import storage
 from eaglenest.store.encoding import DEFAULT_ENCODING, check_encoding, encode_samples
@@ -133,9 +134,7 @@ def _one_torch_thread() -> Iterator[None]:
 
 def encode_device(device: str) -> torch.device:
     """Where fp8 encoding runs: ``auto`` is the GPU when one is visible (the encoding is compute-bound on CPUs)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = torch.device(auto_device(device))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
     return dev

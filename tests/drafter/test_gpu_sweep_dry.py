@@ -65,7 +65,7 @@ def test_a_continued_config_keeps_its_drafters_vocabulary():
     assert over.epochs == 1.2 and over.out_dir == "/o"
 
 
-def test_the_planned_vocabulary_is_the_trainers(tmp_path):
+def test_the_planned_vocabulary_is_the_trainers(tmp_path, monkeypatch):
     """--planned-vocab (what gpu_session's KL_AB times) follows the trainer's one rule: BASE's 32000 for a fresh
     config, a continued drafter's own unless the config asks for more, never more than the target's vocabulary."""
     import runpy
@@ -84,6 +84,14 @@ def test_the_planned_vocabulary_is_the_trainers(tmp_path):
     assert planned_vocab_size(None, None, 500, "cuda") == 500 and planned_vocab_size(None, None, 49152, "cpu") == 8192
     # "auto" resolves as the trainer does (this machine: no GPU)
     assert planned({"device": "auto", "draft_vocab_size": None}, str(target)) == 8192
+    import torch
+
+    from eaglenest.models import auto_device
+
+    assert auto_device("auto") == "cpu" and auto_device("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one rule: a visible GPU turns "auto" into cuda
+    assert auto_device("auto") == "cuda" and auto_device("cpu") == "cpu"
+    assert planned({"device": "auto", "draft_vocab_size": None}, str(target)) == 32000
 
 
 def test_the_sweep_scores_seven_steps_deep_and_never_shallower_than_it_trains():
