@@ -210,7 +210,11 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
 mkdir -p "$OUT" "$R"
-finish() { cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"; }
+SAMPLER=  # bench: the host sampler's PID, stopped here too (a call that fails must not leave it running)
+finish() {  # the one EXIT trap (under set -e a failing command in it would end it before the packing)
+  [ -z "$SAMPLER" ] || kill "$SAMPLER" 2>/dev/null || true
+  cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"
+}
 trap finish EXIT
 # shellcheck disable=SC1091
 source .device/bin/device_setup.sh
@@ -702,8 +706,7 @@ bench)
   # this call, the prompt sets from .gpu
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
-  host_samples "$R/host-samples.txt" & sampler=$!
-  trap 'kill "$sampler" 2>/dev/null; finish' EXIT  # (the sampler must not outlive the call)
+  host_samples "$R/host-samples.txt" & SAMPLER=$!  # (finish stops it: it must not outlive the call)
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
   drafters=${DRAFTERS:-wide}  # (unset: the last train call's drafters)
   [ -n "${DRAFTERS:-}" ] || [ ! -f "$W/trained-grid.json" ] || drafters=$(grid_names "$W/trained-grid.json")
@@ -763,7 +766,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
-  kill "$sampler" 2>/dev/null || true
+  kill "$SAMPLER" 2>/dev/null || true; SAMPLER=
   # the kernel caches of these launches too (a data call cut short never reached its own save): keep the file
   # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
   save_kernels
