@@ -3,7 +3,8 @@
     python scripts/gpu_bench_grid.py --model MODEL_DIR --draft DRAFTER_DIR --prompts A.jsonl[,B.jsonl,...] \
         [--concurrency 1,4,16,64] [--steps 3 | --steps 1,2,3,5,8] [--topk 1 --draft-tokens 4] [--max-new-tokens 256] \
         [--num-prompts 32] [--target-concurrency 1 --min-speedup 1.0] [--only baseline|eagle3] \
-        [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...]
+        [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...] \
+        [--baseline-sglang-arg X ...]
 
 PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prompts --prompt-set mt-bench
 --out prompts.jsonl`` (chat-templated token ids; the GPU machine has no network). Each server is
@@ -161,6 +162,8 @@ def main() -> int:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--mem-fraction-static", type=float, default=None)
     ap.add_argument("--sglang-arg", action="append", default=[])
+    ap.add_argument("--baseline-sglang-arg", action="append", default=[],
+                    help="the baseline server's own, after the shared ones (e.g. its fastest --attention-backend)")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
@@ -174,7 +177,8 @@ def main() -> int:
                 max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
                 requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
                 min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
-                mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg, ready_timeout_s=a.ready_timeout)
+                mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg,
+                baseline_sglang_args=a.baseline_sglang_arg, ready_timeout_s=a.ready_timeout)
     files = a.prompts.split(",")
     sets: dict[str, Prompts] = {}
     for f in files:

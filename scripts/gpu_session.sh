@@ -189,7 +189,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1tc, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), EPOCHS (auto: epochs, in tenths, that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), BASELINE_EXTRA (bench: more flags for the baseline server only, after SGL_EXTRA, e.g. "--attention-backend flashinfer": its fastest backend need not be EAGLE3's), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config named DRAFTER_NAME: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144),
 # DRAFTER_NAME (wide: the default grid's drafter; e.g. n11 brings the parts back as drafter-n11.tar.part*, ready for
@@ -220,6 +220,7 @@ trap finish EXIT
 source .device/bin/device_setup.sh
 export PYTHONPATH="/tmp/site:$PWD"
 SGL_MORE=(); for a in ${SGL_EXTRA:-}; do SGL_MORE+=("--sglang-arg=$a"); done  # SGL_EXTRA: more SGLang flags, spaced
+BASE_MORE=(); for a in ${BASELINE_EXTRA:-}; do BASE_MORE+=("--baseline-sglang-arg=$a"); done  # the baseline's own
 SGL=(--sglang-arg=--attention-backend --sglang-arg=triton --sglang-arg=--sampling-backend --sglang-arg=pytorch
      "${SGL_MORE[@]}")
 MODEL=/tmp/smol/model
@@ -230,14 +231,15 @@ STORE=${STORE:-bf16}  # the training store's encoding (fp8: half the disk, train
 # `extraction`: no store, training reads the extraction folder in place (all the disk goes to shards: ~13M tokens)
 TRAIN_DATA=/tmp/store-$STORE; [ "$STORE" != extraction ] || TRAIN_DATA=/tmp/ext/regen
 
-baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their values): what a baseline server runs with
+baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their values), then BASELINE_EXTRA: what a
+  # baseline server runs with (a cached baseline is reused only by a bench whose baseline runs the same)
   local out=() skip=0 a
   for a in ${SGL_EXTRA:-}; do
     if [ "$skip" = 1 ] && [ "${a#--}" = "$a" ]; then skip=0; continue; fi
     skip=0
     case "$a" in --speculative-*=*) ;; --speculative-*) skip=1 ;; *) out+=("$a") ;; esac
   done
-  printf '%s' "${out[*]}"
+  printf '%s' "${out[*]}${BASELINE_EXTRA:+ | $BASELINE_EXTRA}"
 }
 
 baseline_covers() {  # $1 a baseline JSON, $2 another: does $1 hold every prompt set and level of $2?
@@ -746,6 +748,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
       --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
+      "${BASE_MORE[@]}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused; $g holds a baseline only
     # when this grid measured one: none when it reused the cached one, which it does only if that covers its prompt

@@ -24,6 +24,7 @@ app = typer.Typer(no_args_is_help=True, help="Speculative-decoding benchmarks (E
 BENCH_FLAGS = {
     "num_steps": "--steps", "num_draft_tokens": "--draft-tokens", "concurrencies": "--concurrency",
     "output_dir": "--out", "store_url": "--store", "sglang_args": "--sglang-arg",
+    "baseline_sglang_args": "--baseline-sglang-arg",
     "offline_max_samples": "--max-samples",
 }
 """Option names that differ from BenchConfig's field names (the benchmark's own vocabulary)."""

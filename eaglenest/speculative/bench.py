@@ -77,6 +77,10 @@ class BenchConfig(BaseModel):
     sampling_backend: str | None = Field("pytorch", description="sglang --sampling-backend")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="sglang --mem-fraction-static")
     sglang_args: list[str] = Field([], description="extra sglang.launch_server arguments (both servers)")
+    baseline_sglang_args: list[str] = Field(
+        [], description="more arguments for the baseline server only, after the shared ones (a later flag wins): "
+        "the plain server as fast as you would run it, e.g. another --attention-backend (the fastest one for plain "
+        "decoding need not be EAGLE3's: results/2026-12-06f-h100)")
     python: str | None = Field(None, description="interpreter that runs the server (default: this one)")
     store_url: str | None = Field(None, description="store for the offline accept length (optional)")
     heldout_fraction: float = Field(0.05, gt=0, le=1, description="the drafter's eval_fraction (held-out split)")
@@ -105,6 +109,11 @@ class BenchConfig(BaseModel):
                              f"{self.concurrencies}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
+        if self.baseline_sglang_args and self.engine != "sglang":
+            raise ValueError("baseline_sglang_args: arguments of an SGLang baseline server (engine sglang)")
+        spec = [a for a in self.baseline_sglang_args if a.startswith("--speculative")]
+        if spec:
+            raise ValueError(f"baseline_sglang_args {spec}: the baseline decodes without speculation")
         if self.rounds > 1 and self.requests_per_level:
             raise ValueError("rounds: each round sends its slice of the prompts (at least 2 x concurrency requests); "
                              "requests_per_level applies to plain levels only")
@@ -201,6 +210,7 @@ def server_commands(cfg: BenchConfig, port: int, eagle_port: int | None = None) 
             total = [*args, *(["--mem-fraction-static", str(cfg.mem_fraction_static)] if cfg.mem_fraction_static
                               else [])]
             base_x, eagle_x = (p.flags(total) for p in sglang_placements(total, num_servers=2, gpus=1))
+        base_x = [*base_x, *cfg.baseline_sglang_args]
         return (sglang_command(model, port=port, extra=base_x, **kw),
                 sglang_command(model, port=eagle_port, draft=cfg.draft, spec=cfg.spec, extra=eagle_x, **kw))
     from eaglenest.speculative.serve import bench_serve_command

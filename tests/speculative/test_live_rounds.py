@@ -130,6 +130,28 @@ def test_rounds_in_the_bench_config_and_its_server_commands(tmp_path):
         BenchConfig(draft="/d", rounds=5, num_prompts=4)
 
 
+def test_the_baseline_may_run_flags_of_its_own():
+    """``baseline_sglang_args`` go to the baseline server alone, after the shared flags (SGLang's argparse keeps the
+    last): a gate against the plain server as fast as a user would run it; speculation flags and a non-SGLang
+    engine are refused, naming what is wrong."""
+    from eaglenest.engines.sglang_guards import split_flags
+    from eaglenest.speculative.bench import BenchConfig, server_commands
+
+    def backends(cmd):
+        return [v for k, v in split_flags(cmd[cmd.index("sglang.launch_server") + 1:]) if k == "--attention-backend"]
+
+    for rounds, ports in ((1, (30000,)), (2, (30000, 30001))):
+        cfg = BenchConfig(draft="/d", engine="sglang", model="/m", rounds=rounds, sglang_args=["--chunked-prefill-size",
+                          "4096"], baseline_sglang_args=["--attention-backend", "flashinfer"])
+        base, eagle = server_commands(cfg, *ports)
+        assert backends(base) == ["triton", "flashinfer"] and backends(eagle) == ["triton"]
+        assert "--chunked-prefill-size" in base and "--chunked-prefill-size" in eagle
+    with pytest.raises(ValueError, match="decodes without speculation"):
+        BenchConfig(draft="/d", engine="sglang", baseline_sglang_args=["--speculative-num-steps", "3"])
+    with pytest.raises(ValueError, match="engine sglang"):
+        BenchConfig(draft="/d", baseline_sglang_args=["--attention-backend", "flashinfer"])
+
+
 def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
     """A speedup against a reused baseline (measured alone, earlier) is not an alternated one: the live grid's
     report and matrix say which it is, and how old a reused baseline was."""
