@@ -176,9 +176,21 @@
 # H100: should it run out of memory, "max_tokens": 16384, "grad_accum": 2 in the grid), bench with DRAFTERS="n15 n15-avg
 # /tmp/init-drafter/n14" (one baseline; n14 served again beside them tests the order question, and the bench's
 # host-samples.txt, every 10 s, says what the host ran meanwhile), then the 7x8x48
-# tree in rounds for the best. A probe when 300 s are left: SGL_EXTRA="--attention-backend flashinfer" on a tree bench
-# (never tried as the backend; the kit carries flashinfer 0.6.15, whose JIT compiled its RMSNorm on this host, so nvcc
-# is there, but its attention kernels would compile at the first launch: minutes, not measured).
+# tree in rounds for the best.
+# 2026-12-06f (results/2026-12-06f-h100, H100): nine refused starts took 926 of the 1,800 s, too few for data + train
+# (~1,300 s), so the window measured backends on n14 instead: setup x4 (the kit + caches; gguf1 + part ae; gguf2, the
+# model in 39 s; parts aa-ac), then DRAFTERS=parts:n14 (part ad carried) STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1
+# SETS=mt-bench ROUNDS=2 with SGL_EXTRA="--attention-backend flashinfer" (415 s: flashinfer's JIT compiled its attention
+# kernels at the launch, cicc on 8 cores) and without (263 s). flashinfer: 0.90x (rounds 0.80, 1.01), a cycle 8.56 ms,
+# 5.08 baseline steps; triton: 1.37x (1.35, 1.39), 6.40 ms, 3.32 steps, accept 4.58 and 4.54. flashinfer's plain
+# server ran 14% faster than triton's (593.6 against 519.0 tok/s), so BASELINE_EXTRA="--attention-backend flashinfer"
+# now gates triton's EAGLE3 against it. Both bench calls lost bench.tgz to the EXIT-trap defect (fixed since; fetched
+# by hand). The kernel-cache file they brought back (6.6 MB with flashinfer's) was not kept: beside the kit it would
+# pass the first setup call's 64 MiB.
+# Next: the n15 plan above as written (setup x4, data seed 16, train TTT 7 with AVERAGE=1, bench "n15 n15-avg
+# /tmp/init-drafter/n14"), then the best as the 7x8x48 tree in ROUNDS=2 with BASELINE_EXTRA="--attention-backend
+# flashinfer" (the baseline on its fastest backend: the gate the issue's 1.5x must pass). Refused starts cost 90 s
+# each: after two, wait 10 minutes before the next try.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
