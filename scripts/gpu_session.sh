@@ -185,10 +185,13 @@
 # 5.08 baseline steps; triton: 1.37x (1.35, 1.39), 6.40 ms, 3.32 steps, accept 4.58 and 4.54. flashinfer's plain
 # server ran 14% faster than triton's (593.6 against 519.0 tok/s), so BASELINE_EXTRA="--attention-backend flashinfer"
 # now gates triton's EAGLE3 against it. Both bench calls lost bench.tgz to the EXIT-trap defect (fixed since; fetched
-# by hand). The kernel-cache file they brought back (6.6 MB with flashinfer's) was not kept: beside the kit it would
-# pass the first setup call's 64 MiB.
-# Next: the n15 plan above as written (setup x4, data seed 16, train TTT 7 with AVERAGE=1, bench "n15 n15-avg
-# /tmp/init-drafter/n14"), then the best as the 7x8x48 tree in ROUNDS=2 with BASELINE_EXTRA="--attention-backend
+# by hand). The kernel-cache file they brought back (6.6 MB, flashinfer's JIT too) is .gpu-logs/kernel-caches.tar.xz
+# now; it no longer fits the first setup call beside the kit and the working tree (63.4 MiB of 64 with the old 3 MB
+# file), so any setup call may carry it (each cache moves in where the machine has none yet).
+# Next: setup x4: .device/site.tar.xz .device/bin; .device/bin .device/gguf1; .device/bin .device/gguf2 (the model);
+# .device/bin .gpu-logs/kernel-caches.tar.xz and parts-n14's aa, ab. Data with seed 16 (.device/bin .gpu), then
+# train as in the n15 plan above with parts ac, ad, ae carried (TTT 7, AVERAGE=1), bench "n15 n15-avg
+# /tmp/init-drafter/n14", then the best as the 7x8x48 tree in ROUNDS=2 with BASELINE_EXTRA="--attention-backend
 # flashinfer" (the baseline on its fastest backend: the gate the issue's 1.5x must pass). Refused starts cost 90 s
 # each: after two, wait 10 minutes before the next try.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
@@ -322,7 +325,8 @@ kernel_cache_dirs() {  # $1 a root ('' for this machine's own /): the kernel cac
   return 0
 }
 restore_kernels() {  # never fails the step: a file that does not unpack, or a cache that cannot move, is left out
-  [ ! -d "$TRITON_CACHE" ] || return 0  # this machine has compiled already
+  # (any setup call may carry the file: each cache moves in only where this machine has none of its own yet; the
+  # first call's 64 MiB no longer hold the kit, the working tree and a kernel-cache file of 6.6 MB together)
   local f d to moved tmp=/tmp/kernel-caches.unpack
   for f in .gpu-logs/kernel-caches.tar.xz .gpu/kernel-caches.tar.xz; do
     [ -f "$f" ] || continue
