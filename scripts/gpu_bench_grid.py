@@ -48,11 +48,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
+from eaglenest.engines.sglang_guards import split_flags
 from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
 from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
 from eaglenest.speculative.loadgen import requests_for
@@ -76,16 +78,27 @@ def round_columns(report, c: int) -> dict:
     return {"speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3)}
 
 
-def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | None = None) -> str:
+def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | None = None,
+                        own_flags: Sequence[str] = ()) -> str:
     """How the baseline beside each speedup was measured, for the report and the matrix: on 2026-12-06 (H100) a
     baseline up beside EAGLE3 ran 3.5% faster than one alone, so 1.51x against a reused baseline read 1.44x in
-    alternating rounds (results/2026-12-06-h100)."""
+    alternating rounds (results/2026-12-06-h100). ``own_flags``: the baseline server's own (--baseline-sglang-arg),
+    named because a speedup (and a cycle cost in baseline steps) is then against another server configuration."""
+    own = f"; the baseline's own flags: {' '.join(own_flags)}" if own_flags else ""
     if rounds > 1:
-        return f"measured together with EAGLE3, {rounds} alternating rounds"
+        return f"measured together with EAGLE3, {rounds} alternating rounds{own}"
     if baseline_json:
         age = (time.time() if now is None else now) - Path(baseline_json).stat().st_mtime
-        return f"reused: {baseline_json}, written {age / 60:.0f} min before this run (not alternated)"
-    return "measured alone in this run, before EAGLE3 (not alternated)"
+        return f"reused: {baseline_json}, written {age / 60:.0f} min before this run (not alternated){own}"
+    return f"measured alone in this run, before EAGLE3 (not alternated){own}"
+
+
+def server_flags(cmd: Sequence[str]) -> list[tuple[str, str | None]]:
+    """An SGLang launch command's flags in order, without where it listens (--host, --port): what a reused baseline
+    must have run with."""
+    args = list(cmd)
+    rest = args[args.index("sglang.launch_server") + 1:] if "sglang.launch_server" in args else args
+    return [(f, v) for f, v in split_flags(rest) if f not in ("--host", "--port")]
 
 
 def read_baseline(path: str) -> dict[str, ServerResult]:
@@ -104,11 +117,17 @@ def baseline_covers(path: str, other: str) -> bool:
     return baseline_levels(read_baseline(other)).items() <= baseline_levels(read_baseline(path)).items()
 
 
+def _flag_text(flags: list[tuple[str, str | None]]) -> str:
+    return " ".join(f if v is None else f"{f} {v}" for f, v in flags)
+
+
 def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: list[int],
-                      requests_per_level: int | None = None) -> tuple[dict[str, ServerResult] | None, str]:
+                      requests_per_level: int | None = None, *, cmd: Sequence[str] | None = None
+                      ) -> tuple[dict[str, ServerResult] | None, str]:
     """A reused baseline (server_baseline.json) and "", or None and why it does not fit: it must hold every prompt
-    set and concurrency of this run, each level with this run's number of requests (the same prompts), and must
-    have run alone (a baseline of alternating rounds ran beside EAGLE3 on a share of the GPU's memory).
+    set and concurrency of this run, each level with this run's number of requests (the same prompts), must
+    have run alone (a baseline of alternating rounds ran beside EAGLE3 on a share of the GPU's memory) and, given
+    ``cmd`` (the baseline this run would launch), with the same server flags.
     2026-12-06c: a one-level baseline of a --rounds run was reused for c=1,16, and the run failed after the EAGLE3
     launch on a missing level."""
     try:
@@ -131,6 +150,9 @@ def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: l
                 problems.append(f"{name!r} at c={c} sent {levels[name, c]} requests, this run sends {want}")
         if runs[name].round_tok_s:
             problems.append(f"{name!r} was measured in alternating rounds beside EAGLE3, not alone")
+        if cmd is not None and (had := server_flags(runs[name].cmd)) != (wants := server_flags(cmd)):
+            problems.append(f"{name!r} ran other server flags: {_flag_text(had)}; this run's baseline: "
+                            f"{_flag_text(wants)}")
     if problems:
         return None, f"--baseline-json {path} does not fit this run: " + "; ".join(problems)
     return runs, ""
@@ -250,12 +272,14 @@ def main() -> int:
     baseline = None
     if a.baseline_json and a.rounds == 1:
         baseline, why = reusable_baseline(a.baseline_json, {n: len(p.token_ids) for n, p in sets.items()},
-                                          base["concurrencies"], a.requests_per_level)
+                                          base["concurrencies"], a.requests_per_level,
+                                          cmd=server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
         if baseline is None:
             if a.only == "eagle3":
                 ap.error(why)
             print(f"{why}; measuring one instead", flush=True)  # a reused baseline only saves a launch
-    how = baseline_provenance(a.rounds, a.baseline_json if baseline is not None else None)
+    how = baseline_provenance(a.rounds, a.baseline_json if baseline is not None else None,
+                              own_flags=a.baseline_sglang_arg)
     if a.rounds == 1 and baseline is None:  # (--only eagle3 always has one here)
         baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
         if baseline is None:

@@ -183,8 +183,9 @@
 # SETS=mt-bench ROUNDS=2 with SGL_EXTRA="--attention-backend flashinfer" (415 s: flashinfer's JIT compiled its attention
 # kernels at the launch, cicc on 8 cores) and without (263 s). flashinfer: 0.90x (rounds 0.80, 1.01), a cycle 8.56 ms,
 # 5.08 baseline steps; triton: 1.37x (1.35, 1.39), 6.40 ms, 3.32 steps, accept 4.58 and 4.54. flashinfer's plain
-# server ran 14% faster than triton's (593.6 against 519.0 tok/s), so BASELINE_EXTRA="--attention-backend flashinfer"
-# now gates triton's EAGLE3 against it. Both bench calls lost bench.tgz to the EXIT-trap defect (fixed since; fetched
+# server ran 5-23% faster than triton's in its two rounds (643.7, 550.4 against 524.3, 513.8 tok/s; one launch each,
+# its JIT compiling meanwhile: unconfirmed), so BASELINE_EXTRA="--attention-backend flashinfer" now gates triton's
+# EAGLE3 against it. Both bench calls lost bench.tgz to the EXIT-trap defect (fixed since; fetched
 # by hand). The kernel-cache file they brought back (6.6 MB, flashinfer's JIT too) is .gpu-logs/kernel-caches.tar.xz
 # now; it no longer fits the first setup call beside the kit and the working tree (63.4 MiB of 64 with the old 3 MB
 # file), so any setup call may carry it (each cache moves in where the machine has none yet).
@@ -227,7 +228,7 @@ R=$W/results/$STEP
 mkdir -p "$OUT" "$R"
 SAMPLER=  # bench: the host sampler's PID, stopped here too (a call that fails must not leave it running)
 finish() {  # the one EXIT trap (under set -e a failing command in it would end it before the packing)
-  [ -z "$SAMPLER" ] || kill "$SAMPLER" 2>/dev/null || true
+  if [ -n "$SAMPLER" ]; then kill "$SAMPLER" 2>/dev/null || true; wait "$SAMPLER" 2>/dev/null || true; fi
   cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"
 }
 trap finish EXIT

@@ -90,8 +90,9 @@ class Settings:
     check_sha256: bool = True  # sha256-check each store data file on its first read in this process
 
     def torch_device(self) -> torch.device:
-        return torch.device("cuda" if self.device == "auto" and torch.cuda.is_available() else
-                            "cpu" if self.device == "auto" else self.device)
+        from eaglenest.models import auto_device
+
+        return torch.device(auto_device(self.device))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

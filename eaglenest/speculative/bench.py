@@ -31,6 +31,11 @@ from eaglenest.speculative.tree import SpecShape, measured_best_shape
 OneDNNPolicy = Literal["onednn", "no-onednn", "prefill-only", "prefill+verify"]
 
 
+BASELINE_PLACEMENT_FLAGS = frozenset({"--model-path", "--model", "--host", "--port", "--base-gpu-id", "--tp-size",
+                                      "--mem-fraction-static"})
+"""Flags the benchmark places its servers with; a baseline's own arguments may not move it."""
+
+
 class BenchConfig(BaseModel):
     """Baseline vs EAGLE3 at several concurrencies, and whether the drafter may ship."""
 
@@ -109,11 +114,14 @@ class BenchConfig(BaseModel):
                              f"{self.concurrencies}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
-        if self.baseline_sglang_args and self.engine != "sglang":
+        if self.baseline_sglang_args and self.engine == "embedded":
             raise ValueError("baseline_sglang_args: arguments of an SGLang baseline server (engine sglang)")
-        spec = [a for a in self.baseline_sglang_args if a.startswith("--speculative")]
-        if spec:
+        flags = [a.split("=", 1)[0] for a in self.baseline_sglang_args if a.startswith("--")]
+        if spec := [f for f in flags if f.startswith("--speculative")]:
             raise ValueError(f"baseline_sglang_args {spec}: the baseline decodes without speculation")
+        if placed := [f for f in flags if f in BASELINE_PLACEMENT_FLAGS]:
+            raise ValueError(f"baseline_sglang_args {placed}: where the servers run and what memory they share is "
+                             "the benchmark's (port, mem_fraction_static, sglang_args)")
         if self.rounds > 1 and self.requests_per_level:
             raise ValueError("rounds: each round sends its slice of the prompts (at least 2 x concurrency requests); "
                              "requests_per_level applies to plain levels only")

@@ -149,7 +149,12 @@ def test_the_baseline_may_run_flags_of_its_own():
     with pytest.raises(ValueError, match="decodes without speculation"):
         BenchConfig(draft="/d", engine="sglang", baseline_sglang_args=["--speculative-num-steps", "3"])
     with pytest.raises(ValueError, match="engine sglang"):
-        BenchConfig(draft="/d", baseline_sglang_args=["--attention-backend", "flashinfer"])
+        BenchConfig(draft="/d", engine="embedded", baseline_sglang_args=["--attention-backend", "flashinfer"])
+    with pytest.raises(ValueError, match=r"\['--port', '--mem-fraction-static'\]: where the servers run"):
+        BenchConfig(draft="/d", engine="sglang", baseline_sglang_args=["--port=1", "--mem-fraction-static", "0.9"])
+    from eaglenest.pipeline import PipelineBenchParams  # engine "auto" (resolved later) may carry them
+
+    assert PipelineBenchParams(baseline_sglang_args=["--attention-backend", "flashinfer"]).baseline_sglang_args
 
 
 def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
@@ -164,6 +169,8 @@ def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
     assert provenance(1, str(cached), now=1000.0 + 12 * 60) == (
         f"reused: {cached}, written 12 min before this run (not alternated)")
     assert provenance(1, None) == "measured alone in this run, before EAGLE3 (not alternated)"
+    assert provenance(2, None, own_flags=["--attention-backend", "flashinfer"]) == (
+        "measured together with EAGLE3, 2 alternating rounds; the baseline's own flags: --attention-backend flashinfer")
 
 
 def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
@@ -208,6 +215,20 @@ def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
     rounds = ServerResult(name="baseline", cmd=[], levels=[level(1)], server_accept_length=None, startup_s=9,
                           round_tok_s={"1": [850.0, 849.0, 848.0]})
     assert "alternating rounds beside EAGLE3, not alone" in refused(write({"mt-bench": rounds}), {"mt-bench": 40}, [1])
+    # a baseline that ran other server flags (e.g. its own backend) is not this run's baseline
+    from eaglenest.speculative.bench import BenchConfig, server_commands
+
+    def launched(**kw) -> list[str]:
+        return server_commands(BenchConfig(draft="/d", engine="sglang", model="/m", **kw), 30000)[0]
+
+    ran = ServerResult(name="baseline", cmd=launched(), levels=[level(1)], server_accept_length=None, startup_s=9)
+    plain = write({"mt-bench": ran}, "plain.json")
+    elsewhere = launched()
+    elsewhere[elsewhere.index("--port") + 1] = "30005"
+    assert reusable(plain, {"mt-bench": 40}, [1], cmd=elsewhere)[1] == ""  # where it listens aside
+    own = launched(baseline_sglang_args=["--attention-backend", "flashinfer"])
+    why = refused(plain, {"mt-bench": 40}, [1], cmd=own)
+    assert "'mt-bench' ran other server flags" in why and why.endswith("--attention-backend flashinfer")
     garbled = tmp_path / "garbled.json"
     garbled.write_text('{"mt-bench": {"levels": 3}}')
     assert "does not read as a baseline" in refused(str(garbled), {"mt-bench": 40}, [1])
