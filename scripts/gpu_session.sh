@@ -226,9 +226,12 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
 mkdir -p "$OUT" "$R"
-SAMPLER=  # bench: the host sampler's PID, stopped here too (a call that fails must not leave it running)
+SAMPLER=  # bench: the host sampler's PID
+stop_sampler() {  # once, where the bench ends and in finish (a call that fails must not leave it running)
+  if [ -n "$SAMPLER" ]; then kill "$SAMPLER" 2>/dev/null || true; wait "$SAMPLER" 2>/dev/null || true; SAMPLER=; fi
+}
 finish() {  # the one EXIT trap (under set -e a failing command in it would end it before the packing)
-  if [ -n "$SAMPLER" ]; then kill "$SAMPLER" 2>/dev/null || true; wait "$SAMPLER" 2>/dev/null || true; fi
+  stop_sampler
   cp "$W/commands.txt" "$R/" 2>/dev/null || true; tar -C "$W/results" -czf "$OUT/$STEP.tgz" "$STEP"
 }
 trap finish EXIT
@@ -786,7 +789,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
         || echo "calibration $name exited $?" >&2
     fi
   done
-  kill "$SAMPLER" 2>/dev/null || true; SAMPLER=
+  stop_sampler
   # the kernel caches of these launches too (a data call cut short never reached its own save): keep the file
   # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
   save_kernels
