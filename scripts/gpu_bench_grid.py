@@ -136,6 +136,7 @@ def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: l
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"--baseline-json {path} does not read as a baseline ({type(e).__name__}: {e})"
     problems = []
+    wants = server_flags(cmd) if cmd is not None else None
     for name, num_prompts in prompt_counts.items():
         if name not in runs:
             problems.append(f"no prompt set {name!r} (it has {sorted(runs)})")
@@ -150,7 +151,7 @@ def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: l
                 problems.append(f"{name!r} at c={c} sent {levels[name, c]} requests, this run sends {want}")
         if runs[name].round_tok_s:
             problems.append(f"{name!r} was measured in alternating rounds beside EAGLE3, not alone")
-        if cmd is not None and (had := server_flags(runs[name].cmd)) != (wants := server_flags(cmd)):
+        if wants is not None and (had := server_flags(runs[name].cmd)) != wants:
             problems.append(f"{name!r} ran other server flags: {_flag_text(had)}; this run's baseline: "
                             f"{_flag_text(wants)}")
     if problems:
@@ -270,10 +271,10 @@ def main() -> int:
         return res
 
     baseline = None
+    baseline_cmd = server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0]  # (rounds: `together` has its own)
     if a.baseline_json and a.rounds == 1:
         baseline, why = reusable_baseline(a.baseline_json, {n: len(p.token_ids) for n, p in sets.items()},
-                                          base["concurrencies"], a.requests_per_level,
-                                          cmd=server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
+                                          base["concurrencies"], a.requests_per_level, cmd=baseline_cmd)
         if baseline is None:
             if a.only == "eagle3":
                 ap.error(why)
@@ -281,7 +282,7 @@ def main() -> int:
     how = baseline_provenance(a.rounds, a.baseline_json if baseline is not None else None,
                               own_flags=a.baseline_sglang_arg)
     if a.rounds == 1 and baseline is None:  # (--only eagle3 always has one here)
-        baseline = run("baseline", server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0])
+        baseline = run("baseline", baseline_cmd)
         if baseline is None:
             return 1
     if a.only == "baseline":
