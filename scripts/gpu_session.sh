@@ -433,6 +433,7 @@ setup)
 data)
   rm -rf /tmp/gpu && cp -r .gpu /tmp/gpu
   copy_logs  # a pack or earlier answers may come with this call too, when it has room (no gguf2)
+  copy_parts  # so may a drafter's parts for the train call after it (a setup call fewer)
   restore_kernels
   src=${SOURCE:-train-1tc.jsonl.xz}; [ -f "/tmp/gpu/$src" ] || cp "/tmp/gpu-logs/$src" /tmp/gpu/ || true
   # the target's answers of an earlier session with the same source, turns and limit (.gpu/regen-logs-TAG.tar.xz.part*,
