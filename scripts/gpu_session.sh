@@ -221,7 +221,7 @@
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
 # after a call returns (then setup, the model and the store are gone): have the next call ready before.
 set -euo pipefail
-STEP=${1:?usage: gpu_session.sh setup|prompts|data|train|bench|specforge}
+STEP=${1:?usage: gpu_session.sh setup|prompts|data|train|bench|profile|specforge}
 OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
@@ -291,6 +291,12 @@ copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-onl
 copy_parts() {  # drafter parts (drafter-NAME.tar.part*, as train sends them back) that .gpu-drafters/parts* carries
   local f; mkdir -p /tmp/drafter-parts
   for f in .gpu-drafters/parts*/drafter-*.tar.part*; do [ -f "$f" ] && cp -f "$f" /tmp/drafter-parts/; done; return 0
+}
+
+resolve_draft() {  # $1 a drafter: a train call's name, a folder, or parts:NAME; sets draft (its folder) and name
+  name=$1; draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")
+  if [ "${name#parts:}" != "$name" ]; then copy_parts; draft=$(init_drafter "$name"); name=${name#parts:}; fi
+  return 0
 }
 
 init_drafter() {  # $1 INIT_FROM: an exported drafter folder, or parts:NAME (its parts, carried over several calls)
@@ -749,8 +755,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     case "${SETS:-all}" in all|mt-bench) ;; *) echo "SETS must be all or mt-bench, got '$SETS'" >&2; exit 2 ;; esac
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
-    draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")  # a name or a folder,
-    if [ "${name#parts:}" != "$name" ]; then copy_parts; draft=$(init_drafter "$name"); name=${name#parts:}; fi  # or parts
+    resolve_draft "$name"
     # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"; the grid sets
     # the attention and sampling backends itself); a baseline is reused only by a bench with the same flags, those
     # of speculation (--speculative-*, e.g. "--speculative-attention-mode decode") aside: the baseline runs none
@@ -794,6 +799,17 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
   # the kernel caches of these launches too (a data call cut short never reached its own save): keep the file
   # in .gpu-logs for the next session's first launch (85 s of compiling on a fresh machine, 9 s warm)
   save_kernels
+  ;;
+profile)
+  # where a baseline decode step and a speculation cycle spend their time: SGLang's torch profiler (CPU + GPU) over
+  # REQUESTS (2) greedy MT-Bench requests at concurrency 1 on each server, DRAFTERS' first drafter at STEPS, TOPK,
+  # DRAFT_TOKENS; profile.json sums each trace (the GPU's busy share, idle gaps, top kernels, host CUDA calls)
+  ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
+  resolve_draft "${DRAFTERS%% *}"
+  run env OUT="$R/profile-$name" python3 scripts/gpu_profile_cycle.py --model "$MODEL" --draft "$draft" \
+    --prompts /tmp/gpu/mt-bench.jsonl --steps "${STEPS:-3}" --topk "${TOPK:-1}" \
+    ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --requests "${REQUESTS:-2}" "${SGL_MORE[@]}" "${BASE_MORE[@]}" \
+    || echo "profile $name exited $?" >&2
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
