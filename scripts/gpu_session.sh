@@ -195,6 +195,20 @@
 # /tmp/init-drafter/n14", then the best as the 7x8x48 tree in ROUNDS=2 with BASELINE_EXTRA="--attention-backend
 # flashinfer" (the baseline on its fastest backend: the gate the issue's 1.5x must pass). Refused starts cost 90 s
 # each: after two, wait 10 minutes before the next try.
+# 2026-12-06g (results/2026-12-06g-h100, H100 after 1,010 s of refused starts): setup x4 (the kit; gguf1 + part ae;
+# gguf2, the model in 50 s; kernel caches + parts aa, ab), `DRAFTERS=parts:n14 STEPS=7 TOPK=8 DRAFT_TOKENS=48 profile`
+# (parts ac, ad; 208 s: SGLang's torch profiler on both servers, 2 requests each), then the tree gate ROUNDS=2 three
+# times (150-173 s each): 1.56x against a flashinfer baseline, which ran slower than triton's here, 1.47x twice
+# against triton's. The profile: a cycle's GPU work is 3.09 baseline steps (verify 1.58 ms, 7 draft steps 1.00 ms,
+# draft extend 0.19 ms, against a step's 0.96 ms); verify's triton tree attention alone 0.66 ms.
+# Next: the verify attention on another kernel, a tree grid each (ROUNDS=2, ~150 s) against the same triton baseline
+# (SGL_EXTRA's flags other than --speculative-* reach the baseline too; BASELINE_EXTRA, after them, puts it back):
+# SGL_EXTRA="--attention-backend flashinfer --speculative-draft-attention-backend triton" with
+# BASELINE_EXTRA="--attention-backend triton"; SGL_EXTRA="--prefill-attention-backend triton --decode-attention-backend
+# flashinfer --speculative-attention-mode decode" with BASELINE_EXTRA="--decode-attention-backend triton"; then
+# `profile` (the same SGL_EXTRA) for the best. The data
+# call takes a drafter's parts and the kernel caches now (copy_parts), so the n15 plan needs setup x3: the kit;
+# gguf1; gguf2; then data with .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup

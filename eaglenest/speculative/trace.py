@@ -8,6 +8,7 @@ they cover, the idle gaps between them, and the host's CUDA runtime calls (graph
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import itertools
 import json
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+PHASE_CATEGORY = "gpu_user_annotation"
+"""SGLang's named ranges (``draft``, ``draft_extend``, ``step[TARGET_VERIFY bs=1]``, ``step[DECODE bs=1]``, ...) as the
+profiler lays them on the GPU's timeline: the kernels inside one are that phase's work."""
 GAP_BUCKETS_US = (10.0, 50.0, 200.0, 1000.0)
 """Idle gaps between kernels are counted in these bounds (us): below 10 us is launch spacing, above 200 us the
 GPU waits on the host."""
@@ -97,9 +101,36 @@ def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: in
         "host_cuda_calls (count, ms)": ranked(runtime),
         "host_ops (count, ms inclusive)": ranked(host),
     }
+    out["phases (count, ms each: span, gpu busy; kernels each)"] = phases(events, gpu)
     if steps:
         out["steps"] = steps
         out["per_step_ms"] = {"span": round(span / ms / steps, 4), "gpu_busy": round(busy / ms / steps, 4),
                               "kernels": round(len(gpu) / steps, 1)}
     return out
 
+
+
+def phases(events: list[dict[str, Any]], gpu: list[dict[str, Any]] | None = None) -> dict[str, list[float]]:
+    """Per named GPU range: how often it ran, its mean span and the kernels' busy time inside it (ms, overlapping
+    kernels once), and the kernels it held, largest span first (nested ranges, e.g. scheduler.run_batch around a
+    step, each count)."""
+    gpu = gpu if gpu is not None else [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
+    starts = [k[0] for k in kernels]
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+    for e in events:
+        if e.get("cat") != PHASE_CATEGORY:
+            continue
+        lo, hi = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        i, inside = bisect.bisect_left(starts, lo), []
+        while i < len(kernels) and kernels[i][0] < hi:
+            inside.append((kernels[i][0], min(kernels[i][1], hi)))
+            i += 1
+        busy, n = _union(inside)[0], len(inside)
+        a = acc[str(e.get("name", "?"))]
+        a[0] += 1
+        a[1] += hi - lo
+        a[2] += busy
+        a[3] += n
+    return {name: [int(c), round(span / c / 1e3, 4), round(busy / c / 1e3, 4), round(n / c, 1)]
+            for name, (c, span, busy, n) in sorted(acc.items(), key=lambda kv: -kv[1][1])}

@@ -24,6 +24,8 @@ def test_busy_share_gaps_and_top_kernels(tmp_path):
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 210.0, "dur": 280.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5.0},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1.0},  # not a complete event: ignored
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "verify", "ts": 0.0, "dur": 210.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "draft", "ts": 450.0, "dur": 200.0},
     ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -38,6 +40,9 @@ def test_busy_share_gaps_and_top_kernels(tmp_path):
     assert s["host_cuda_calls (count, ms)"]["cudaStreamSynchronize"] == [1, 0.28]
     assert s["host_ops (count, ms inclusive)"] == {"aten::mm": [1, 0.005]}
     assert s["per_step_ms"]["kernels"] == 2.0
+    # the kernels inside each named range: verify holds gemm, norm, gemm (busy 0-150, 155-200), draft the topk
+    assert s["phases (count, ms each: span, gpu busy; kernels each)"] == {
+        "verify": [1, 0.21, 0.195, 3.0], "draft": [1, 0.2, 0.1, 1.0]}
 
 
 def test_a_trace_without_kernels_is_refused(tmp_path):
