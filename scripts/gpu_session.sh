@@ -199,14 +199,16 @@
 # gguf2, the model in 50 s; kernel caches + parts aa, ab), `DRAFTERS=parts:n14 STEPS=7 TOPK=8 DRAFT_TOKENS=48 profile`
 # (parts ac, ad; 208 s: SGLang's torch profiler on both servers, 2 requests each), then the tree gate ROUNDS=2 three
 # times (150-173 s each): 1.56x against a flashinfer baseline, which ran slower than triton's here, 1.47x twice
-# against triton's. The profile: a cycle's GPU work is 3.09 baseline steps (verify 1.58 ms, 7 draft steps 1.00 ms,
-# draft extend 0.19 ms, against a step's 0.96 ms); verify's triton tree attention alone 0.66 ms.
+# against triton's (flashinfer's plain server within triton's own 4% spread). The profile: a cycle's GPU work is about
+# 3.0 baseline steps' (verify 1.58 ms, 7 draft steps 1.00 ms, draft extend 0.19 ms, against a step's 0.93 ms), as much
+# as its wall-clock cost; verify's triton tree attention alone 0.66 ms (a step's attention 0.17 ms).
 # Next: the verify attention on another kernel, a tree grid each (ROUNDS=2, ~150 s) against the same triton baseline
-# (SGL_EXTRA's flags other than --speculative-* reach the baseline too; BASELINE_EXTRA, after them, puts it back):
-# SGL_EXTRA="--attention-backend flashinfer --speculative-draft-attention-backend triton" with
-# BASELINE_EXTRA="--attention-backend triton"; SGL_EXTRA="--prefill-attention-backend triton --decode-attention-backend
-# flashinfer --speculative-attention-mode decode" with BASELINE_EXTRA="--decode-attention-backend triton"; then
-# `profile` (the same SGL_EXTRA) for the best. The data
+# (SGL_EXTRA reaches the baseline too; BASELINE_EXTRA, after it, puts the baseline back): SGL_EXTRA="--attention-backend
+# flashinfer --speculative-draft-attention-backend triton" with BASELINE_EXTRA="--attention-backend triton" (verify on
+# flashinfer's prefill kernel, split over the prefix under CUDA graphs; draft steps and draft extend stay on triton,
+# all three captured; its verify plan copies indptr to the host each cycle), then `profile` with the same flags. The
+# kit has no FA3 (fa3's cascade verify is not an option here); "--speculative-attention-mode decode" alone changes
+# nothing on triton (the same extend kernel: SGLang's source, this session's reading). The data
 # call takes a drafter's parts and the kernel caches now (copy_parts), so the n15 plan needs setup x3: the kit;
 # gguf1; gguf2; then data with .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab.
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
@@ -818,6 +820,8 @@ profile)
   # where a baseline decode step and a speculation cycle spend their time: SGLang's torch profiler (CPU + GPU) over
   # REQUESTS (2) greedy MT-Bench requests at concurrency 1 on each server, DRAFTERS' first drafter at STEPS, TOPK,
   # DRAFT_TOKENS; profile.json sums each trace (the GPU's busy share, idle gaps, top kernels, host CUDA calls)
+  case "${DRAFTERS:-}" in ''|best|' '*) echo "profile needs DRAFTERS=NAME, a folder or parts:NAME (one drafter), got \
+'${DRAFTERS:-}'" >&2; exit 2 ;; esac
   ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
   resolve_draft "${DRAFTERS%% *}"
   run env OUT="$R/profile-$name" python3 scripts/gpu_profile_cycle.py --model "$MODEL" --draft "$draft" \

@@ -12,7 +12,7 @@ import bisect
 import gzip
 import itertools
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -56,10 +56,16 @@ def _union(intervals: Iterable[tuple[float, float]]) -> tuple[float, list[float]
     return busy, gaps
 
 
-def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: int = 15) -> dict[str, Any]:
-    """The GPU's busy share of the span its kernels cover, the gaps, the costliest kernels and host calls.
+STEP_PHASES = ("step[TARGET_VERIFY", "step[DECODE")
+"""The ranges that count a trace's steps: EAGLE3's verify cycles, else the baseline's decode steps (prefill aside)."""
 
-    ``steps``: decode steps (baseline) or verify cycles (EAGLE3) the trace holds, for per-step figures."""
+
+def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: int = 15) -> dict[str, Any]:
+    """The GPU's busy share of the span its kernels cover, the gaps, the costliest kernels and host calls, and the
+    split by SGLang's phases. "Kernels" counts every GPU operation (memcpy and memset too).
+
+    ``steps``: the decode steps (baseline) or verify cycles (EAGLE3) to divide by; by default the trace's own count
+    of verify ranges, else of decode ranges (:data:`STEP_PHASES`). The per-step figures include the prefills'."""
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     if not gpu:
         raise ValueError("the trace holds no GPU kernels (was the profile started with activities GPU?)")
@@ -91,6 +97,7 @@ def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: in
     def ranked(table: dict[str, list[float]]) -> dict[str, list[float]]:
         return {n: [int(c), round(t / ms, 3)] for n, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]}
 
+    split, split_kernels = phases(events, gpu)
     out: dict[str, Any] = {
         "span_ms": round(span / ms, 3),
         "gpu_busy_ms": round(busy / ms, 3),
@@ -100,8 +107,12 @@ def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: in
         "top_kernels (count, ms)": ranked(kernels),
         "host_cuda_calls (count, ms)": ranked(runtime),
         "host_ops (count, ms inclusive)": ranked(host),
+        "phases (count, ms each: span, gpu busy; kernels each)": split,
+        "phase_top_kernels (us each)": split_kernels,
     }
-    out["phases (count, ms each: span, gpu busy; kernels each)"] = phases(events, gpu)
+    if steps is None:
+        steps = next((sum(v[0] for name, v in split.items() if name.startswith(prefix)) for prefix in STEP_PHASES
+                      if any(name.startswith(prefix) for name in split)), None)
     if steps:
         out["steps"] = steps
         out["per_step_ms"] = {"span": round(span / ms / steps, 4), "gpu_busy": round(busy / ms / steps, 4),
@@ -109,28 +120,35 @@ def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: in
     return out
 
 
-
-def phases(events: list[dict[str, Any]], gpu: list[dict[str, Any]] | None = None) -> dict[str, list[float]]:
+def phases(events: list[dict[str, Any]], gpu: list[dict[str, Any]] | None = None,
+           top: int = 8) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Per named GPU range: how often it ran, its mean span and the kernels' busy time inside it (ms, overlapping
-    kernels once), and the kernels it held, largest span first (nested ranges, e.g. scheduler.run_batch around a
-    step, each count)."""
+    kernels once, each clipped to the range), and the kernels it held, largest span first (nested ranges, e.g.
+    scheduler.run_batch around a step, each count); and per range its ``top`` kernels' mean time in it (us)."""
     gpu = gpu if gpu is not None else [e for e in events if e.get("cat") in GPU_CATEGORIES]
-    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "?"))) for e in gpu)
     starts = [k[0] for k in kernels]
+    longest = max((k[1] - k[0] for k in kernels), default=0.0)
     acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+    names: dict[str, Counter[str]] = defaultdict(Counter)
     for e in events:
         if e.get("cat") != PHASE_CATEGORY:
             continue
         lo, hi = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        i, inside = bisect.bisect_left(starts, lo), []
+        i, inside = bisect.bisect_left(starts, lo - longest), []  # (a kernel may start before the range)
         while i < len(kernels) and kernels[i][0] < hi:
-            inside.append((kernels[i][0], min(kernels[i][1], hi)))
+            s, t, name = kernels[i]
+            if t > lo:
+                inside.append((max(s, lo), min(t, hi)))
+                names[str(e.get("name", "?"))][name] += min(t, hi) - max(s, lo)
             i += 1
-        busy, n = _union(inside)[0], len(inside)
         a = acc[str(e.get("name", "?"))]
         a[0] += 1
         a[1] += hi - lo
-        a[2] += busy
-        a[3] += n
-    return {name: [int(c), round(span / c / 1e3, 4), round(busy / c / 1e3, 4), round(n / c, 1)]
-            for name, (c, span, busy, n) in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+        a[2] += _union(inside)[0]
+        a[3] += len(inside)
+    order = sorted(acc.items(), key=lambda kv: -kv[1][1])
+    split = {name: [int(c), round(span / c / 1e3, 4), round(busy / c / 1e3, 4), round(n / c, 1)]
+             for name, (c, span, busy, n) in order}
+    top_kernels = {name: {k: round(t / acc[name][0], 1) for k, t in names[name].most_common(top)} for name, _ in order}
+    return split, top_kernels
