@@ -26,6 +26,7 @@ import httpx
 
 from eaglenest.engines.pool import LaunchError, launched, local_server
 from eaglenest.speculative.bench import BenchConfig, prepare_prompts, server_commands
+from eaglenest.speculative.live import warm
 from eaglenest.speculative.loadgen import run_levels
 from eaglenest.speculative.trace import load_trace, summarize
 
@@ -39,8 +40,7 @@ def profile_server(label: str, cmd: list[str], port: int, prompts: list[list[int
     traces.mkdir(parents=True)
     server = local_server(cmd, port=port, log_path=out / f"server_{label}.log")
     with launched(server, timeout_s=ready_timeout_s):
-        # warm: every shape the measured requests will meet (first batches of a size pay one-time costs)
-        run_levels(server.url, prompts, [1], max_new_tokens=max_new_tokens, requests_per_level=3, tag="warmup")
+        warm(server, prompts, 3, [1], max_new_tokens=max_new_tokens, ignore_eos=False, timeout_s=600.0)
         plain = run_levels(server.url, prompts, [1], max_new_tokens=max_new_tokens, requests_per_level=requests,
                            tag="unprofiled")[0]
         r = httpx.post(f"{server.url}/start_profile", timeout=60,

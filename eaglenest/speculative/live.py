@@ -100,7 +100,7 @@ def bench_server_sets(
         startup = time.monotonic() - t0
         for set_name, prompts in prompt_sets.items():
             if warmup_requests and not results:  # the first set warms the server for all
-                _warm(server, prompts, warmup_requests, concurrencies, max_new_tokens=max_new_tokens,
+                warm(server, prompts, warmup_requests, concurrencies, max_new_tokens=max_new_tokens,
                       ignore_eos=ignore_eos, timeout_s=timeout_s)
             levels = run_levels(server.url, prompts, concurrencies, max_new_tokens=max_new_tokens,
                                 ignore_eos=ignore_eos, requests_per_level=requests_per_level, timeout_s=timeout_s,
@@ -109,8 +109,8 @@ def bench_server_sets(
     return results
 
 
-def _warm(server: ServerProcess, prompts: Sequence[list[int]], requests: int, concurrencies: Sequence[int], *,
-          max_new_tokens: int, ignore_eos: bool, timeout_s: float) -> None:
+def warm(server: ServerProcess, prompts: Sequence[list[int]], requests: int, concurrencies: Sequence[int], *,
+         max_new_tokens: int, ignore_eos: bool, timeout_s: float) -> None:
     """Every concurrency level once before anything is measured: ``max(c, requests)`` requests at concurrency c.
 
     A server's first batches of a new size pay one-time costs that a measured level must not: on the H200
@@ -151,7 +151,7 @@ def bench_servers_together(
             stack.enter_context(launched(server, timeout_s=ready_timeout_s, ready=ready, records=records))
             startup[name] = time.monotonic() - t0
             if warmup_requests:
-                _warm(server, next(iter(prompt_sets.values())), warmup_requests, concurrencies,
+                warm(server, next(iter(prompt_sets.values())), warmup_requests, concurrencies,
                       max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s)
         for set_name, prompts in prompt_sets.items():
             got = run_rounds({n: s.url for n, s in servers.items()}, prompts, concurrencies, rounds=rounds,

@@ -110,14 +110,21 @@ def summarize(events: list[dict[str, Any]], *, steps: int | None = None, top: in
         "phases (count, ms each: span, gpu busy; kernels each)": split,
         "phase_top_kernels (us each)": split_kernels,
     }
-    if steps is None:
-        steps = next((sum(v[0] for name, v in split.items() if name.startswith(prefix)) for prefix in STEP_PHASES
-                      if any(name.startswith(prefix) for name in split)), None)
+    steps = _trace_steps(split) if steps is None else steps
     if steps:
         out["steps"] = steps
         out["per_step_ms"] = {"span": round(span / ms / steps, 4), "gpu_busy": round(busy / ms / steps, 4),
                               "kernels": round(len(gpu) / steps, 1)}
     return out
+
+
+def _trace_steps(split: dict[str, list[float]]) -> int | None:
+    """How many steps a trace holds by its own ranges: the first of :data:`STEP_PHASES` that it has."""
+    for prefix in STEP_PHASES:
+        counts = [int(v[0]) for name, v in split.items() if name.startswith(prefix)]
+        if counts:
+            return sum(counts)
+    return None
 
 
 def phases(events: list[dict[str, Any]], gpu: list[dict[str, Any]] | None = None,
@@ -134,15 +141,15 @@ def phases(events: list[dict[str, Any]], gpu: list[dict[str, Any]] | None = None
     for e in events:
         if e.get("cat") != PHASE_CATEGORY:
             continue
-        lo, hi = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        label, lo, hi = str(e.get("name", "?")), float(e["ts"]), float(e["ts"]) + float(e["dur"])
         i, inside = bisect.bisect_left(starts, lo - longest), []  # (a kernel may start before the range)
         while i < len(kernels) and kernels[i][0] < hi:
             s, t, name = kernels[i]
             if t > lo:
                 inside.append((max(s, lo), min(t, hi)))
-                names[str(e.get("name", "?"))][name] += min(t, hi) - max(s, lo)
+                names[label][name] += min(t, hi) - max(s, lo)
             i += 1
-        a = acc[str(e.get("name", "?"))]
+        a = acc[label]
         a[0] += 1
         a[1] += hi - lo
         a[2] += _union(inside)[0]
