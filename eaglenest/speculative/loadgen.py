@@ -19,6 +19,7 @@ Invariant: requests carry ``nocapture:`` rids, so a capturing server never write
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +45,10 @@ class RequestRecord:
     spec_verify_ct: int = 0
     spec_correct_drafts: int | None = None
     error: str | None = None
+    prompt: int = -1
+    """The prompt's index in the whole prompt set (a round drives a slice of it)."""
+    digest: str | None = None
+    """A short hash of the answer's tokens (its text where the server returns no ids): equal answers, equal digests."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +67,8 @@ class LevelResult:
     accept_length: float | None
     """Tokens per verify forward, bonus counted; None when the server does not speculate."""
     first_error: str | None = None
+    answers: list[list[Any]] | None = None
+    """Per answered request: [prompt, completion_tokens, spec_verify_ct, spec_correct_drafts, digest]."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,42 +89,74 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def _accept(rows: Sequence[list[Any]]) -> float | None:
+    """Accept length over answers' rows (LevelResult.answers): (correct drafts + verifies) / verifies, or completion
+    tokens / verifies where the server reports no correct drafts (older servers: counts the prefill's token too)."""
+    verify = sum(r[2] for r in rows)
+    if not verify:
+        return None
+    if all(r[3] is not None for r in rows if r[2]):
+        return (sum(r[3] or 0 for r in rows) + verify) / verify
+    return sum(r[1] for r in rows if r[2]) / verify
+
+
 def summarize_level(concurrency: int, records: Sequence[RequestRecord], duration_s: float) -> LevelResult:
     ok = [r for r in records if r.ok]
     lat = [r.latency_s for r in ok]
     tokens = sum(r.completion_tokens for r in ok)
-    verify = sum(r.spec_verify_ct for r in ok)
-    accept = None
-    if verify:
-        if all(r.spec_correct_drafts is not None for r in ok if r.spec_verify_ct):
-            accept = (sum(r.spec_correct_drafts or 0 for r in ok) + verify) / verify
-        else:  # older servers: completion / verify (counts the prefill's token too)
-            accept = sum(r.completion_tokens for r in ok if r.spec_verify_ct) / verify
+    answers = [[r.prompt, r.completion_tokens, r.spec_verify_ct, r.spec_correct_drafts, r.digest] for r in ok]
     errs = [r.error for r in records if not r.ok]
     return LevelResult(
         concurrency=concurrency, requests=len(records), errors=len(errs), duration_s=duration_s,
         output_tokens=tokens, output_tok_s=tokens / duration_s if duration_s > 0 else 0.0,
         requests_per_s=len(ok) / duration_s if duration_s > 0 else 0.0,
         latency_mean_s=sum(lat) / len(lat) if lat else float("nan"), latency_p50_s=percentile(lat, 50),
-        latency_p90_s=percentile(lat, 90), latency_p99_s=percentile(lat, 99), accept_length=accept,
-        first_error=errs[0] if errs else None,
+        latency_p90_s=percentile(lat, 90), latency_p99_s=percentile(lat, 99), accept_length=_accept(answers),
+        first_error=errs[0] if errs else None, answers=answers,
     )
 
 
+def compare_answers(a: LevelResult, b: LevelResult) -> dict[str, Any] | None:
+    """Two levels over the same prompts, paired: how many prompts each answered token for token alike, and each
+    side's accept length over those prompts alone (None where a side does not speculate). Greedy answers diverge
+    between servers where a near-tie flips under other kernels or batch shapes, so two drafters' live accept lengths
+    are measured on partly different answers; over the identical ones they are paired. None without answers."""
+    if not a.answers or not b.answers:
+        return None
+    first_a: dict[int, list[Any]] = {}
+    first_b: dict[int, list[Any]] = {}
+    for rows, first in ((a.answers, first_a), (b.answers, first_b)):
+        for row in rows:
+            first.setdefault(row[0], row)
+    common = sorted(set(first_a) & set(first_b))
+    same = [p for p in common if first_a[p][4] is not None and first_a[p][4] == first_b[p][4]]
+    return {"prompts": len(common), "identical": len(same),
+            "accept_a": _accept([first_a[p] for p in same]), "accept_b": _accept([first_b[p] for p in same])}
+
+
+def answer_digest(body: dict[str, Any]) -> str | None:
+    """A /generate answer's digest: of its output ids where the server returns them, else of its text."""
+    out = body.get("output_ids")
+    key = ",".join(map(str, out)) if isinstance(out, list) else body.get("text")
+    return None if key is None else hashlib.sha1(str(key).encode()).hexdigest()[:16]
+
+
 async def _one(client: httpx.AsyncClient, url: str, index: int, ids: list[int], params: dict[str, Any],
-               rid: str, clock: Callable[[], float]) -> RequestRecord:
+               rid: str, clock: Callable[[], float], prompt: int) -> RequestRecord:
     t0 = clock()
     try:
         r = await client.post(f"{url}/generate", json={"input_ids": ids, "rid": rid, "sampling_params": params})
     except httpx.HTTPError as e:
         return RequestRecord(index=index, ok=False, latency_s=clock() - t0, prompt_tokens=len(ids),
-                             error=f"{type(e).__name__}: {e}")
+                             error=f"{type(e).__name__}: {e}", prompt=prompt)
     latency = clock() - t0
     if r.status_code != 200:
         return RequestRecord(index=index, ok=False, latency_s=latency, prompt_tokens=len(ids),
-                             error=f"HTTP {r.status_code}: {r.text[:300]}")
-    meta = (r.json() or {}).get("meta_info") or {}
-    return RequestRecord(index=index, ok=True, latency_s=latency, prompt_tokens=len(ids),
+                             error=f"HTTP {r.status_code}: {r.text[:300]}", prompt=prompt)
+    body = r.json() or {}
+    meta = body.get("meta_info") or {}
+    return RequestRecord(index=index, ok=True, latency_s=latency, prompt_tokens=len(ids), prompt=prompt,
+                         digest=answer_digest(body),
                          completion_tokens=int(meta.get("completion_tokens", 0)),
                          spec_verify_ct=int(meta.get("spec_verify_ct", 0) or 0),
                          spec_correct_drafts=meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts")))
@@ -138,9 +177,10 @@ async def drive_level(
 async def _drive(
     url: str, prompts: Sequence[list[int]], *, concurrency: int, num_requests: int, max_new_tokens: int,
     ignore_eos: bool, timeout_s: float, transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float],
-    tag: str,
+    tag: str, prompt_index: Sequence[int] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """The records (by index) and wall time of one closed-loop level."""
+    """The records (by index) and wall time of one closed-loop level (``prompt_index``: each prompt's index in the
+    whole set, where ``prompts`` is a slice of it)."""
     if concurrency < 1 or num_requests < 1 or not prompts:
         raise ValueError(f"need concurrency >= 1, num_requests >= 1 and prompts (got {concurrency}, "
                          f"{num_requests}, {len(prompts)})")
@@ -156,7 +196,9 @@ async def _drive(
             while not queue.empty():
                 i = queue.get_nowait()
                 rid = f"{NO_CAPTURE_RID_PREFIX}{tag}-c{concurrency}-{i}-{time.time_ns()}"
-                records.append(await _one(client, url, i, list(prompts[i % len(prompts)]), params, rid, clock))
+                k = i % len(prompts)
+                records.append(await _one(client, url, i, list(prompts[k]), params, rid, clock,
+                                          prompt_index[k] if prompt_index is not None else k))
 
         t0 = clock()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
@@ -216,7 +258,7 @@ def run_rounds(
                 recs, dur = run_sync(lambda name=name, chunk=chunk, c=c, r=r: _drive(
                     urls[name], chunk, concurrency=c, num_requests=requests_for(c, len(chunk)),
                     max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s, transport=transport,
-                    clock=time.perf_counter, tag=f"{name}-r{r}"))
+                    clock=time.perf_counter, tag=f"{name}-r{r}", prompt_index=range(r, len(prompts), rounds)))
                 if not any(x.ok for x in recs):
                     raise BenchError(f"every request failed at concurrency {c} on {urls[name]}: {recs[0].error}")
                 records[name] += recs

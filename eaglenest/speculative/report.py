@@ -18,7 +18,7 @@ from typing import Any
 
 from eaglenest.atomic import atomic_write_bytes
 from eaglenest.speculative.live import ServerResult
-from eaglenest.speculative.loadgen import LevelResult
+from eaglenest.speculative.loadgen import LevelResult, compare_answers
 
 
 class GateFailed(RuntimeError):
@@ -134,6 +134,12 @@ def markdown_table(r: BenchReport) -> str:
                      f"(offline {_f(r.calibration.get('offline_accept_length'), '.2f')}, live "
                      f"{_f(r.calibration.get('live_accept_length'), '.2f')}).")
     lines += [f"- {n}" for n in r.notes]
+    for b in r.baseline.levels:
+        e = r.level("eagle3", b.concurrency)
+        if e is not None and (same := compare_answers(e, b)) is not None:
+            lines.append(f"- concurrency {b.concurrency}: {same['identical']} of {same['prompts']} EAGLE3 answers are "
+                         "the baseline's token for token (greedy speculation matches plain decoding up to the "
+                         "kernels' numerics: an answer diverges where a near-tie flips)")
     for c, ratios in sorted(r.round_speedups().items()):
         lines.append(f"- concurrency {c}, each alternating round (EAGLE3 / baseline on the same prompts, in the order "
                      f"they ran): {', '.join(f'{x:.2f}x' for x in ratios)}; median {statistics.median(ratios):.2f}x")

@@ -264,3 +264,68 @@ def test_the_report_shows_each_round_and_warns_when_they_disagree():
     columns = runpy.run_path(str(script))["round_columns"]
     assert columns(noisy, 1) == {"speedup_rounds": [0.873, 0.76, 1.392], "speedup_median": 0.873}
     assert columns(noisy, 16) == {}
+
+
+def test_answers_are_kept_by_prompt_and_compared_paired_across_servers():
+    """Two servers answer the same prompts in alternating rounds; server b answers prompt 5 otherwise (a near-tie
+    flipped). Each answer is recorded under its prompt's index in the whole set, and the comparison pairs the
+    identical answers only, with each side's accept length over those."""
+    from eaglenest.speculative.loadgen import answer_digest, compare_answers
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        p = body["input_ids"][0]
+        ids = [p, p + 1, 7 if request.url.host == "b" and p == 5 else 8]
+        correct = 2 if request.url.host == "a" else 1  # a drafts better: 3 accepted a verify, b 2
+        return httpx.Response(200, json={"text": "t", "output_ids": ids, "meta_info": {
+            "completion_tokens": 3, "spec_verify_ct": 1, "spec_num_correct_drafts": correct}})
+
+    prompts = [[i, i + 1] for i in range(8)]
+    got = run_rounds({"a": "http://a", "b": "http://b"}, prompts, [1], rounds=3, max_new_tokens=3,
+                     transport=httpx.MockTransport(handler))
+    (a,), _ = got["a"]
+    (b,), _ = got["b"]
+    assert sorted(row[0] for row in a.answers) == list(range(8))  # rounds slice the set; the index is the set's
+    for row in a.answers:  # the index names the prompt that was sent (its answer starts with the prompt's first id)
+        assert row[4] == answer_digest({"output_ids": [row[0], row[0] + 1, 8]})
+    same = compare_answers(a, b)
+    assert same == {"prompts": 8, "identical": 7, "accept_a": pytest.approx(3.0), "accept_b": pytest.approx(2.0)}
+    from eaglenest.speculative.loadgen import LevelResult
+    assert LevelResult.from_json(json.loads(json.dumps(a.to_json()))).answers == a.answers  # levels.jsonl round trip
+    old = {k: v for k, v in a.to_json().items() if k != "answers"}  # a level written before answers were kept
+    assert compare_answers(LevelResult.from_json(old), b) is None
+
+
+def test_the_report_says_how_many_answers_match_the_baseline():
+    import dataclasses
+
+    from spec_support import level, report
+
+    from eaglenest.speculative.report import markdown_table
+    base = dataclasses.replace(level(1, 100.0), answers=[[0, 3, 0, None, "d0"], [1, 3, 0, None, "d1"],
+                                                         [2, 3, 0, None, "d2"]])
+    eagle = dataclasses.replace(level(1, 150.0, accept=2.0), answers=[[0, 3, 1, 1, "d0"], [1, 3, 1, 1, "x1"],
+                                                                       [2, 3, 1, 1, "d2"]])
+    md = markdown_table(report([base], [eagle]))
+    assert "concurrency 1: 2 of 3 EAGLE3 answers are the baseline's token for token" in md
+    assert "answers are the baseline's" not in markdown_table(report([level(1, 100.0)], [level(1, 150.0, 2.0)]))
+
+
+def test_paired_answers_script_pairs_two_reports(tmp_path, capsys):
+    import dataclasses
+    import runpy
+
+    from spec_support import level, report
+
+    from eaglenest.speculative.report import write_report
+    rows = {"a": [[0, 4, 2, 2, "d0"], [1, 4, 2, 2, "d1"]], "b": [[0, 4, 1, 3, "d0"], [1, 4, 2, 2, "zz"]]}
+    for name, answers in rows.items():
+        eagle = dataclasses.replace(level(1, 150.0, accept=2.0), answers=answers)
+        write_report(report([level(1, 100.0)], [eagle]), tmp_path / name, plots=False)
+    main = runpy.run_path("scripts/paired_answers.py")["main"]
+    got = main([str(tmp_path / "a" / "report.json"), str(tmp_path / "b" / "report.json")])
+    assert got == {1: {"prompts": 2, "identical": 1, "accept_a": 2.0, "accept_b": 4.0}}
+    assert '"identical": 1' in capsys.readouterr().out
+    write_report(report([level(1, 100.0)], [level(1, 150.0, 2.0)]), tmp_path / "old", plots=False)
+    with pytest.raises(SystemExit, match="records its answers"):
+        main([str(tmp_path / "a" / "report.json"), str(tmp_path / "old" / "report.json")])
