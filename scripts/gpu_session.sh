@@ -211,6 +211,24 @@
 # nothing on triton (the same extend kernel: SGLang's source, this session's reading). The data
 # call takes a drafter's parts and the kernel caches now (copy_parts), so the n15 plan needs setup x3: the kit;
 # gguf1; gguf2; then data with .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab.
+# 2026-12-06h (results/2026-12-06h-h100, H100 after 460 s of refused starts): setup x4 as in 06g (the model in 34 s),
+# the flashinfer-verify tree above (169 s): 0.96x (rounds 0.96, 0.97), a cycle 4.76 baseline steps: not the lever.
+# Then a short n15: data with SELF_COUNT=12000 SELF_SEED=16 EXTRACT_S=300 STOP_VALIDATE_S=40 in a 440-s call (366 s:
+# the first server ready in 48 s, prompts 35 s, 225 s of stream, 14,674 samples), train with n14's grid but
+# init_from /tmp/init-drafter/n14 (INIT_FROM=parts:n14 AVERAGE=1 TRAIN_MINUTES=5: 259 s, 6.2 epochs, MT-Bench @3
+# offline still rising at the end), bench DRAFTERS="n15 n15-avg" SETS=mt-bench (241 s): n15 2.61 / 2.58 at steps 3.
+# Next: setup x4 with parts-n15 in place of parts-n14 (gguf1 + part ae; gguf2; kernel caches + aa, ab), then
+# DRAFTERS=parts:n15 bench (parts ac, ad; the three sets at steps 3, ~300 s), then DRAFTERS=/tmp/init-drafter/n15
+# STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench ROUNDS=2 bench (the gate, ~150 s). With the ~1,000 s left,
+# continue n15 on seed 17 (data as in 06e, EXTRACT_S=430; train INIT_FROM=/tmp/init-drafter/n15 with the grid's
+# init_from the same) and gate the result the same way.
+# (That plan needs parts-n15, which did not outlive the 06h checkout: a new checkout holds no git-ignored file, so
+# .gpu-drafters, .gpu-logs and .device are gone and a window after it starts from the kit, `make gpu-inputs` and the
+# gguf halves: setup x3, then data SELF_COUNT=12000 SELF_SEED=17 as above, train n14's grid from scratch with
+# TRAIN_MINUTES=7, bench all sets at steps 3 and the 7x8x48 gate; the window after continues that drafter.)
+# n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
+# two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
+# baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
 # What a step reports (JSON, logs, every command line in commands.txt) comes back as ONE file, $OUT/STEP.tgz
 # (a call returns at most 8 files, two folders deep); the train step adds the first drafter in <= 15 MB parts, the
 # data step the target's answers (regen-logs-TAG.tar.xz.part*: put them in .gpu-logs/, carry it in the second setup
@@ -297,6 +315,10 @@ ensure_model() {  # the target from its two GGUF halves (setup brought the first
   [ -f .device/gguf2/smol.part01 ] || { echo "no model yet: carry .device/gguf2 in this call" >&2; exit 2; }
   cp .device/gguf2/smol.part01 /tmp/smol/
   run python3 scripts/gpu_run.py --phases model --work /tmp/smol --gguf-parts /tmp/smol/smol.part00 /tmp/smol/smol.part01
+}
+
+serve_inputs() {  # what bench and profile serve: the target, and the prompt sets from .gpu (kept from an earlier call)
+  ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
 }
 
 copy_logs() {  # what .gpu-logs carries (prompt packs, earlier answers: read-only files) to /tmp/gpu-logs
@@ -749,7 +771,7 @@ bench)
   fi
   # a bench before any data call (e.g. an earlier window's drafter served first): the model from gguf2 carried with
   # this call, the prompt sets from .gpu
-  ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
+  serve_inputs
   machine_state "$R/machine-bench.txt"  # before the servers: leftovers of earlier calls, clocks, the host's CPU
   host_samples "$R/host-samples.txt" & SAMPLER=$!  # (finish stops it: it must not outlive the call)
   first=1  # the first drafter is measured on every prompt set, the others on MT-Bench only
@@ -822,7 +844,7 @@ profile)
   # DRAFT_TOKENS; profile.json sums each trace (the GPU's busy share, idle gaps, top kernels, host CUDA calls)
   case "${DRAFTERS:-}" in ''|best|' '*) echo "profile needs DRAFTERS=NAME, a folder or parts:NAME (one drafter), got \
 '${DRAFTERS:-}'" >&2; exit 2 ;; esac
-  ensure_model; [ -d /tmp/gpu ] || cp -r .gpu /tmp/gpu
+  serve_inputs
   resolve_draft "${DRAFTERS%% *}"
   run env OUT="$R/profile-$name" python3 scripts/gpu_profile_cycle.py --model "$MODEL" --draft "$draft" \
     --prompts /tmp/gpu/mt-bench.jsonl --steps "${STEPS:-3}" --topk "${TOPK:-1}" \
