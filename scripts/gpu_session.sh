@@ -850,6 +850,7 @@ profile)
     --prompts /tmp/gpu/mt-bench.jsonl --steps "${STEPS:-3}" --topk "${TOPK:-1}" \
     ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --requests "${REQUESTS:-2}" "${SGL_MORE[@]}" "${BASE_MORE[@]}" \
     || echo "profile $name exited $?" >&2
+  save_kernels  # (its two launches compile as a bench's do)
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     ap.add_argument("--server", choices=("eagle3", "baseline"), default="eagle3", help="which server's answers")
     args = ap.parse_args(argv)
     ra, rb = read_report(args.a), read_report(args.b)
+    differ = [f"{k} {getattr(ra, k)!r} / {getattr(rb, k)!r}" for k in ("prompt_set", "prompt_source", "num_prompts",
+              "max_new_tokens") if getattr(ra, k) != getattr(rb, k)]
+    if differ:  # a prompt's index would name another prompt, or an answer of another length
+        raise SystemExit(f"{args.a} and {args.b} did not decode the same prompts alike: {'; '.join(differ)}")
     out = {}
     for lv in getattr(ra, args.server).levels:
         other = rb.level(args.server, lv.concurrency)

@@ -137,9 +137,9 @@ def markdown_table(r: BenchReport) -> str:
     for b in r.baseline.levels:
         e = r.level("eagle3", b.concurrency)
         if e is not None and (same := compare_answers(e, b)) is not None:
-            lines.append(f"- concurrency {b.concurrency}: {same['identical']} of {same['prompts']} EAGLE3 answers are "
-                         "the baseline's token for token (greedy speculation matches plain decoding up to the "
-                         "kernels' numerics: an answer diverges where a near-tie flips)")
+            lines.append(f"- concurrency {b.concurrency}: on {same['identical']} of {same['prompts']} prompts EAGLE3 "
+                         "answered as the baseline, token for token (greedy speculation matches plain decoding up to "
+                         "the kernels' numerics: an answer diverges where a near-tie flips)")
     for c, ratios in sorted(r.round_speedups().items()):
         lines.append(f"- concurrency {c}, each alternating round (EAGLE3 / baseline on the same prompts, in the order "
                      f"they ran): {', '.join(f'{x:.2f}x' for x in ratios)}; median {statistics.median(ratios):.2f}x")

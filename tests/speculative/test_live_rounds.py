@@ -291,7 +291,7 @@ def test_answers_are_kept_by_prompt_and_compared_paired_across_servers():
     same = compare_answers(a, b)
     assert same == {"prompts": 8, "identical": 7, "accept_a": pytest.approx(3.0), "accept_b": pytest.approx(2.0)}
     from eaglenest.speculative.loadgen import LevelResult
-    assert LevelResult.from_json(json.loads(json.dumps(a.to_json()))).answers == a.answers  # levels.jsonl round trip
+    assert LevelResult.from_json(json.loads(json.dumps(a.to_json()))).answers == a.answers  # report.json's round trip
     old = {k: v for k, v in a.to_json().items() if k != "answers"}  # a level written before answers were kept
     assert compare_answers(LevelResult.from_json(old), b) is None
 
@@ -307,8 +307,8 @@ def test_the_report_says_how_many_answers_match_the_baseline():
     eagle = dataclasses.replace(level(1, 150.0, accept=2.0), answers=[[0, 3, 1, 1, "d0"], [1, 3, 1, 1, "x1"],
                                                                        [2, 3, 1, 1, "d2"]])
     md = markdown_table(report([base], [eagle]))
-    assert "concurrency 1: 2 of 3 EAGLE3 answers are the baseline's token for token" in md
-    assert "answers are the baseline's" not in markdown_table(report([level(1, 100.0)], [level(1, 150.0, 2.0)]))
+    assert "concurrency 1: on 2 of 3 prompts EAGLE3 answered as the baseline, token for token" in md
+    assert "answered as the baseline" not in markdown_table(report([level(1, 100.0)], [level(1, 150.0, 2.0)]))
 
 
 def test_paired_answers_script_pairs_two_reports(tmp_path, capsys):
@@ -329,3 +329,6 @@ def test_paired_answers_script_pairs_two_reports(tmp_path, capsys):
     write_report(report([level(1, 100.0)], [level(1, 150.0, 2.0)]), tmp_path / "old", plots=False)
     with pytest.raises(SystemExit, match="records its answers"):
         main([str(tmp_path / "a" / "report.json"), str(tmp_path / "old" / "report.json")])
+    write_report(dataclasses.replace(report([level(1, 100.0)], [eagle]), num_prompts=40), tmp_path / "c", plots=False)
+    with pytest.raises(SystemExit, match="num_prompts 80 / 40"):
+        main([str(tmp_path / "a" / "report.json"), str(tmp_path / "c" / "report.json")])
