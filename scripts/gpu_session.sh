@@ -223,9 +223,12 @@
 # continue n15 on seed 17 (data as in 06e, EXTRACT_S=430; train INIT_FROM=/tmp/init-drafter/n15 with the grid's
 # init_from the same) and gate the result the same way.
 # (That plan needs parts-n15, which did not outlive the 06h checkout: a new checkout holds no git-ignored file, so
-# .gpu-drafters, .gpu-logs and .device are gone and a window after it starts from the kit, `make gpu-inputs` and the
-# gguf halves: setup x3, then data SELF_COUNT=12000 SELF_SEED=17 as above, train n14's grid from scratch with
-# TRAIN_MINUTES=7, bench all sets at steps 3 and the 7x8x48 gate; the window after continues that drafter.)
+# .gpu-drafters, .gpu-logs and .device are gone and a window after it runs 06c's recipe from nothing (RUN.json's
+# calls there: the CPU steps first, ~8 minutes; setup x2; data SELF_COUNT=20000 with SELF_SEED=17, EXTRACT_S=425),
+# trained with the draft vocabulary n14 found worth it: echo '{"n16": {"draft_vocab_size": 32000, "ttt_steps": 4,
+# "lr": 0.002, "draft_intermediate_size": 6144}}' > /tmp/grid-n16.json && GRID=/tmp/grid-n16.json STORE=extraction
+# TRAIN_MINUTES=7.5 ... train; then bench all sets at steps 3 and the 7x8x48 gate with ROUNDS=2; the window after
+# continues that drafter if its checkout still holds the parts.)
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
