@@ -227,8 +227,10 @@
 # calls there: the CPU steps first, ~8 minutes; setup x2; data SELF_COUNT=20000 with SELF_SEED=17, EXTRACT_S=425),
 # trained with the draft vocabulary n14 found worth it: echo '{"n16": {"draft_vocab_size": 32000, "ttt_steps": 4,
 # "lr": 0.002, "draft_intermediate_size": 6144}}' > /tmp/grid-n16.json && GRID=/tmp/grid-n16.json STORE=extraction
-# TRAIN_MINUTES=7.5 ... train; then bench all sets at steps 3 and the 7x8x48 gate with ROUNDS=2; the window after
-# continues that drafter if its checkout still holds the parts.)
+# TRAIN_MINUTES=7.5 TRIM=16000 ... train; then the 7x8x48 gate with ROUNDS=2 for DRAFTERS="n16 n16-t16000" (the head,
+# softmax and top-k over 32,000 tokens were ~0.36 ms of a 2.9-ms cycle: the trimmed head may be the 5% the speed
+# goal lacks) and, with time left, bench all sets at steps 3; the window after continues n16 if its checkout still
+# holds the parts.)
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
@@ -249,7 +251,7 @@
 # INIT_FROM=parts:n11 in the next window without repacking), INIT_FROM (train: continue
 # from this exported drafter, carried with the call, or parts:NAME: from its parts; with GRID, name init_from
 # /tmp/init-drafter/NAME in it), AVERAGE (train: 0; 1 with INIT_FROM: also NAME-avg, its average with the drafter it
-# continued), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
+# continued), TRIM (train: none; N: also NAME-tN, its draft vocabulary cut to N tokens), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
 # (the last train call's drafters, else wide; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
 # INIT_FROM, served before any data call with gguf2 and .gpu carried; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
@@ -754,6 +756,14 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
     if [ "${AVERAGE:-0}" = 1 ] && [ -n "$init_dir" ]; then
       run python3 -m eaglenest average "/tmp/export/$name" "$init_dir" --out "/tmp/export/$name-avg" --overwrite \
         || echo "average $name exited $?" >&2
+    fi
+    # TRIM=N: also NAME-tN, the draft head cut to the N tokens most frequent in the training data (`eaglenest
+    # trim-vocab`): in SGLang's draft phase the head's GEMM, the softmax and the top-k over the draft vocabulary took
+    # ~0.36 of a 7x8x48 tree's 1.0 ms of draft steps a cycle (n14, 32,000 tokens; profile-n14-7x8x48.json of
+    # 2026-12-06g); bench DRAFTERS="NAME NAME-tN" with the tree's flags and ROUNDS to gate both
+    if [ -n "${TRIM:-}" ]; then
+      run python3 -m eaglenest trim-vocab "/tmp/export/$name" "/tmp/export/$name-t$TRIM" --size "$TRIM" \
+        --counts-from "$TRAIN_DATA" --overwrite > "$R/trim-$name-t$TRIM.json" || echo "trim $name exited $?" >&2
     fi
   done
   # the drafters come back (parts of <= 15 MB) for the CPU benchmark: as many as fit this call's 8 files beside
