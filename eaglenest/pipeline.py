@@ -39,10 +39,10 @@ CPU_DEMO_NOTE = (
     "a drafter trained for a few minutes on a CPU is not expected to pay off: speedups below 1x are normal here "
     "(the demo shows the pipeline, not the product). The GPU recipe (prompts the target wrote itself, ShareGPT "
     "first turns and coding prompts, all answered by the target; a 4x-wide draft MLP continued over several GPU "
-    "windows) accepts 2.45-2.58 live on MT-Bench in SGLang at 3 draft steps, and its drafter served as SGLang's "
-    "default 7x8x48 tree accepts 4.57 per cycle at 1.44x plain decoding in alternating rounds (1.51x against a "
-    "baseline measured alone) on an H100, measured 2026-12-06 (results/2026-12-06-h100); from nothing in one GPU "
-    "window it accepts 2.43 (results/2026-12-06c-h100).")
+    "windows) accepts 2.45-2.61 live on MT-Bench in SGLang at 3 draft steps (results/2026-12-06h-h100), and its "
+    "drafters served as SGLang's default 7x8x48 tree accept 4.5-4.6 per cycle at 1.40-1.47x plain decoding in "
+    "alternating rounds on H100s, measured 2026-12-06 (results/2026-12-06-h100, results/2026-12-06g-h100); from "
+    "nothing in one GPU window it accepts 2.43 (results/2026-12-06c-h100).")
 """What the demo's headline says plainly about its numbers (the measured GPU recipe, for scale)."""
 
 Stage = Literal["extract", "convert", "train", "export", "bench"]
