@@ -759,7 +759,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
     fi
     # TRIM=N: also NAME-tN, the draft head cut to the N tokens most frequent in the training data (`eaglenest
     # trim-vocab`): in SGLang's draft phase the head's GEMM, the softmax and the top-k over the draft vocabulary took
-    # ~0.36 of a 7x8x48 tree's 1.0 ms of draft steps a cycle (n14, 32,000 tokens; profile-n14-7x8x48.json of
+    # ~0.36 ms of the 1.0 ms a 7x8x48 tree's draft steps cost a cycle (n14, 32,000 tokens; profile-n14-7x8x48.json of
     # 2026-12-06g); bench DRAFTERS="NAME NAME-tN" with the tree's flags and ROUNDS to gate both
     if [ -n "${TRIM:-}" ]; then
       run python3 -m eaglenest trim-vocab "/tmp/export/$name" "/tmp/export/$name-t$TRIM" --size "$TRIM" \
