@@ -27,7 +27,7 @@ from pathlib import Path
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\ndef softmax(x):"]
 
 
-def random_drafter_export(target: Path, out: Path, draft_vocab: int) -> Path:
+def random_drafter_export(target: Path, out: Path, draft_vocab: int, draft_mlp: int | None = None) -> Path:
     import torch
 
     from eaglenest import contract
@@ -42,7 +42,8 @@ def random_drafter_export(target: Path, out: Path, draft_vocab: int) -> Path:
     aux = contract.default_aux_layer_ids(layers) if layers >= 8 else (0, 1, 2)[: max(1, layers - 1)]
     vocab_size = int(tt.config["vocab_size"])
     vocab = DraftVocab(torch.arange(min(draft_vocab, vocab_size)), vocab_size)
-    cfg = DrafterConfig.from_target(tt.config, aux_layer_ids=aux, draft_vocab_size=vocab.size)
+    cfg = DrafterConfig.from_target(tt.config, aux_layer_ids=aux, draft_vocab_size=vocab.size,
+                                    intermediate_size=draft_mlp)
     torch.manual_seed(0)
     model = Eagle3Drafter(cfg, embed_weight=tt.embed)
     model.load_vocab(vocab.d2t, vocab.t2d)
@@ -78,6 +79,10 @@ def main() -> None:
     src.add_argument("--run", type=Path, help="training run folder (its latest checkpoint is exported)")
     src.add_argument("--draft", type=Path, help="an existing eaglenest SGLang export")
     ap.add_argument("--draft-vocab", type=int, default=1024, help="--random: draft vocabulary size")
+    ap.add_argument("--draft-mlp", type=int, default=None,
+                    help="--random: the draft layer's MLP width (default: the target's)")
+    ap.add_argument("--export-to", type=Path, default=Path("/tmp/eaglenest-export"),
+                    help="--random, --run: where the export is written")
     ap.add_argument("--baseline", action="store_true", help="also serve without EAGLE3 and compare greedy text")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -96,9 +101,9 @@ def main() -> None:
     elif args.run:
         from eaglenest.drafter.export import export_drafter
 
-        draft = export_drafter(args.run, Path("/tmp/eaglenest-export"), fmt="sglang", overwrite=True)
+        draft = export_drafter(args.run, args.export_to, fmt="sglang", overwrite=True)
     else:
-        draft = random_drafter_export(args.target, Path("/tmp/eaglenest-export"), args.draft_vocab)
+        draft = random_drafter_export(args.target, args.export_to, args.draft_vocab, args.draft_mlp)
     from eaglenest.drafter.export import load_drafter
 
     if not args.skip_target_check:

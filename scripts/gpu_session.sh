@@ -336,9 +336,20 @@ copy_parts() {  # drafter parts (drafter-NAME.tar.part*, as train sends them bac
   for f in .gpu-drafters/parts*/drafter-*.tar.part*; do [ -f "$f" ] && cp -f "$f" /tmp/drafter-parts/; done; return 0
 }
 
-resolve_draft() {  # $1 a drafter: a train call's name, a folder, or parts:NAME; sets draft (its folder) and name
+resolve_draft() {  # $1 a drafter: a train call's name, a folder, parts:NAME, or untrained:VOCABxMLP (e.g.
+  # untrained:32000x6144: an untrained drafter of that draft vocabulary and MLP width, warm-started from the target as
+  # training starts, built here in seconds: what a speculation cycle costs for a drafter's shape needs no training,
+  # so shapes are timed without data); sets draft (its folder) and name
   name=$1; draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")
   if [ "${name#parts:}" != "$name" ]; then copy_parts; draft=$(init_drafter "$name"); name=${name#parts:}; fi
+  if [ "${name#untrained:}" != "$name" ]; then
+    local shape=${name#untrained:}
+    case "$shape" in [0-9]*x[0-9]*) ;; *) echo "$1: want untrained:VOCABxMLP, e.g. untrained:32000x6144" >&2; exit 2 ;;
+    esac
+    name=untrained-$shape; draft=/tmp/export/$name
+    run python3 scripts/gpu_check_export.py --target "$MODEL" --random --draft-vocab "${shape%x*}" \
+      --draft-mlp "${shape#*x}" --export-to "$draft" --export-only > "$R/$name.json"
+  fi
   return 0
 }
 
