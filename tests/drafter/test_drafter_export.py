@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import runpy
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +220,16 @@ def test_a_wider_draft_mlp_trains_exports_and_keeps_its_width(tmp_path, tiny_mod
     assert Trainer.setup(more, store=drafter_store).drafter.config.intermediate_size == 320
     with pytest.raises(ContractError, match="draft_intermediate_size 320, the config asks for 128"):
         Trainer.setup(more.model_copy(update={"draft_intermediate_size": 128}), store=drafter_store)
+
+
+def test_an_untrained_drafter_of_a_given_shape_loads_for_its_target(tiny_model_dir, tmp_path):
+    """gpu_check_export.py --random --draft-vocab V --draft-mlp M (what gpu_session's untrained:VxM times live):
+    the export has that head and MLP, its target's fingerprint, and the warm start's head rows are the target's."""
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_export.py"))
+    out = script["random_drafter_export"](tiny_model_dir, tmp_path / "u", 100, 96)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["draft_vocab_size"], cfg["intermediate_size"]) == (100, 96)
+    loaded = load_drafter(out, target_dir=tiny_model_dir)
+    head = loaded.model.lm_head.weight.float()
+    target_rows = load_target_tensors(tiny_model_dir).lm_head[:100].float()
+    assert torch.allclose(head, target_rows.to(torch.bfloat16).float(), atol=1e-2)
