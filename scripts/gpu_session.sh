@@ -235,7 +235,7 @@
 # left hold no setup + bench), so the plan above
 # is still next, with the CPU steps already done in this checkout (.device, .gpu, .venv). Before training, or when a
 # window is too short for it: what a drafter's shape costs a cycle needs no training, so DRAFTERS may name
-# untrained:VOCABxMLP (built on the device in seconds, warm-started from the target as training starts), e.g.
+# untrained:VOCABxMLP (built on the device in seconds; its head the target's rows, as init=target starts), e.g.
 # DRAFTERS="untrained:32000x6144 untrained:16000x6144 untrained:8000x6144" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1
 # SETS=mt-bench NUM_PROMPTS=10 bench (~400 s cold, an estimate; not run yet; carrying .device/bin .device/gguf2
 # .gpu/mt-bench.jsonl, 63 MB with the tree, it would spare a third setup call: untried): the trimmed head's cycle in ms beside the full one's, against
@@ -346,8 +346,8 @@ copy_parts() {  # drafter parts (drafter-NAME.tar.part*, as train sends them bac
 }
 
 resolve_draft() {  # $1 a drafter: a train call's name, a folder, parts:NAME, or untrained:VOCABxMLP (e.g.
-  # untrained:32000x6144: an untrained drafter of that draft vocabulary and MLP width, warm-started from the target as
-  # training starts, built here in seconds: what a speculation cycle costs for a drafter's shape needs no training,
+  # untrained:32000x6144: an untrained drafter of that draft vocabulary and MLP width (its head the target's rows, as
+  # init=target starts, built here in seconds): what a speculation cycle costs for a drafter's shape needs no training,
   # so shapes are timed without data); sets draft (its folder) and name
   name=$1; draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")
   if [ "${name#parts:}" != "$name" ]; then copy_parts; draft=$(init_drafter "$name"); name=${name#parts:}; fi
