@@ -231,15 +231,15 @@
 # softmax and top-k over 32,000 tokens were ~0.36 ms of a 2.9-ms cycle: the trimmed head may be the 5% the speed
 # goal lacks) and, with time left, bench all sets at steps 3; the window after continues n16 if its checkout still
 # holds the parts.)
-# 2026-12-06 (session 61): no machine came (twelve refused starts, 20:50-22:15 UTC, took 1,420 of the 1,800 s; the 380
-# left hold no setup + bench), so the plan above
-# is still next, with the CPU steps already done in this checkout (.device, .gpu, .venv). Before training, or when a
-# window is too short for it: what a drafter's shape costs a cycle needs no training, so DRAFTERS may name
-# untrained:VOCABxMLP (built on the device in seconds; its head the target's rows, as init=target starts), e.g.
-# DRAFTERS="untrained:32000x6144 untrained:16000x6144 untrained:8000x6144" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1
-# SETS=mt-bench NUM_PROMPTS=10 bench (~400 s cold, an estimate; not run yet; carrying .device/bin .device/gguf2
-# .gpu/mt-bench.jsonl, 63 MB with the tree, it would spare a third setup call: untried): the trimmed head's cycle in ms beside the full one's, against
-# the coverage it gives up (16,000 tokens hold 98.3% of MT-Bench's answer tokens, 32,000 99.6%).
+# 2026-12-06 (session 61): no machine came (twelve refused starts, 20:50-22:15 UTC, took 1,420 of the 1,800 s; the
+# 380 left hold no setup + bench), so the plan above is still next, with the CPU steps already done in this checkout
+# (.device, .gpu, .venv). Before training, or when a window is too short for it: what a drafter's shape costs a cycle
+# needs no training, so DRAFTERS may name untrained:VOCABxMLP (built on the device in seconds; its head the target's
+# rows, as init=target starts), e.g. DRAFTERS="untrained:32000x6144 untrained:16000x6144 untrained:8000x6144" STEPS=7
+# TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench NUM_PROMPTS=10 bench (~400 s cold, an estimate; not run yet; carrying
+# .device/bin .device/gguf2 .gpu/mt-bench.jsonl, 63 MB with the tree, would spare a third setup call: untried): the
+# trimmed head's cycle in ms beside the full one's, against the coverage it gives up (16,000 tokens hold 98.3% of
+# MT-Bench's answer tokens, 32,000 99.6%).
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
