@@ -240,6 +240,24 @@
 # .device/bin .device/gguf2 .gpu/mt-bench.jsonl, 63 MB with the tree, would spare a third setup call: untried): the
 # trimmed head's cycle in ms beside the full one's, against the coverage it gives up (16,000 tokens hold 98.3% of
 # MT-Bench's answer tokens, 32,000 99.6%).
+# n16 (results/2026-12-06i-h100, session 62: H100 at once, 1,661 s used), from nothing with the plan above: setup x3
+# (the model in 35 s), data (seed 17: launch 105 s, the second server 152 s, 20K prompts 51 s, 283 s of stream,
+# 21,868 samples validated, 9.7M tokens, 47 GB), train (n16: 32,000 draft tokens, lr 2e-3, 6.5 epochs, 2,100 steps,
+# 65.5M tokens at 181K tok/s in 361 s; TRIM=16000 kept 99.35% of its training tokens' targets), the 7x8x48 gate in 2
+# rounds for "n16 n16-t16000", then n16-t8000 (trimmed by hand on the device) in 1 round. Accept 4.18, 4.18, 4.08
+# (paired over the answers both servers wrote alike: t16000 4.280 against n16's 4.283 on 27 prompts, t8000 4.50
+# against 4.54 on 12); a cycle 3.37, 3.25, 3.23 baseline steps (4.08, 3.80, 4.15 ms); 1.24x, 1.29x, 1.26x. Trimming
+# to 16,000 cost no accept and saved ~0.12 baseline steps a cycle (3.6%; the profile's head, softmax and top-k were
+# ~0.36 ms), but n16 was served first, and the first drafter of a bench call has run 0.5-0.7 ms slower a cycle before
+# (06d, 06e): the order is not ruled out yet. 8,000 tokens save nothing more and lose accept.
+# Next: continue n16 (.gpu-drafters/parts-n16 and seed 17's answers in .gpu-logs, in this checkout): setup x3 as in
+# 06i, data with SELF_SEED=18 carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab (the rest as
+# in 06i), train carrying .device/bin and parts ac, ad, ae with `echo '{"n17": {"draft_vocab_size": 32000,
+# "ttt_steps": 4, "lr": 0.001, "draft_intermediate_size": 6144, "init_from": "/tmp/init-drafter/n16"}}' >
+# /tmp/grid-n17.json && GRID=/tmp/grid-n17.json INIT_FROM=parts:n16 STORE=extraction TRAIN_MINUTES=7 TRIM=16000
+# DRAFTER_NAME=n17 ... train`, then the gate with the order reversed: DRAFTERS="n17-t16000 n17" (if the trimmed
+# head is still the cheaper served first, the saving is the head's). By the same arithmetic n14 (accept 4.54, 1.47x)
+# trimmed would have run at ~1.52x: a continued drafter with the trimmed head is the plan for the 1.5x cell.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
