@@ -248,8 +248,9 @@
 # (paired over the answers both servers wrote alike: t16000 4.280 against n16's 4.283 on 27 prompts, t8000 4.50
 # against 4.54 on 12); a cycle 3.37, 3.25, 3.23 baseline steps (4.08, 3.80, 4.15 ms); 1.24x, 1.29x, 1.26x. Trimming
 # to 16,000 cost no accept and saved ~0.12 baseline steps a cycle (3.6%; the profile's head, softmax and top-k were
-# ~0.36 ms), but n16 was served first, and the first drafter of a bench call has run 0.5-0.7 ms slower a cycle before
-# (06d, 06e): the order is not ruled out yet. 8,000 tokens save nothing more and lose accept.
+# ~0.36 ms; EAGLE3 ran faster in both of its rounds), but the rounds spread as much (1.33x, 1.24x against 1.23x,
+# 1.25x) and n16 was served first, where the first drafter of a bench call has run 0.5-0.7 ms slower a cycle before
+# (06d, 06e): not settled yet. 8,000 tokens save nothing more and lose accept (CPU replay: 3.96, 3.93, 3.81).
 # Next: continue n16 (.gpu-drafters/parts-n16 and seed 17's answers in .gpu-logs, in this checkout): setup x3 as in
 # 06i, data with SELF_SEED=18 carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab (the rest as
 # in 06i), train carrying .device/bin and parts ac, ad, ae with `echo '{"n17": {"draft_vocab_size": 32000,
