@@ -241,24 +241,24 @@
 # trimmed head's cycle in ms beside the full one's, against the coverage it gives up (16,000 tokens hold 98.3% of
 # MT-Bench's answer tokens, 32,000 99.6%).
 # n16 (results/2026-12-06i-h100, session 62: H100 at once, 1,661 s used), from nothing with the plan above: setup x3
-# (the model in 35 s), data (seed 17: launch 105 s, the second server 152 s, 20K prompts 51 s, 283 s of stream,
-# 21,868 samples validated, 9.7M tokens, 47 GB), train (n16: 32,000 draft tokens, lr 2e-3, 6.5 epochs, 2,100 steps,
-# 65.5M tokens at 181K tok/s in 361 s; TRIM=16000 kept 99.35% of its training tokens' targets), the 7x8x48 gate in 2
-# rounds for "n16 n16-t16000", then n16-t8000 (trimmed by hand on the device) in 1 round. Accept 4.18, 4.18, 4.08
-# (paired over the answers both servers wrote alike: t16000 4.280 against n16's 4.283 on 27 prompts, t8000 4.50
-# against 4.54 on 12); a cycle 3.37, 3.25, 3.23 baseline steps (4.08, 3.80, 4.15 ms); 1.24x, 1.29x, 1.26x. Trimming
-# to 16,000 cost no accept and saved ~0.12 baseline steps a cycle (3.6%; the profile's head, softmax and top-k were
-# ~0.36 ms; EAGLE3 ran faster in both of its rounds), but the rounds spread as much (1.33x, 1.24x against 1.23x,
-# 1.25x) and n16 was served first, where the first drafter of a bench call has run 0.5-0.7 ms slower a cycle before
-# (06d, 06e): not settled yet. 8,000 tokens save nothing more and lose accept (CPU replay: 3.96, 3.93, 3.81).
-# Next: continue n16 (.gpu-drafters/parts-n16 and seed 17's answers in .gpu-logs, in this checkout): setup x3 as in
-# 06i, data with SELF_SEED=18 carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab (the rest as
-# in 06i), train carrying .device/bin and parts ac, ad, ae with `echo '{"n17": {"draft_vocab_size": 32000,
-# "ttt_steps": 4, "lr": 0.001, "draft_intermediate_size": 6144, "init_from": "/tmp/init-drafter/n16"}}' >
-# /tmp/grid-n17.json && GRID=/tmp/grid-n17.json INIT_FROM=parts:n16 STORE=extraction TRAIN_MINUTES=7 TRIM=16000
-# DRAFTER_NAME=n17 ... train`, then the gate with the order reversed: DRAFTERS="n17-t16000 n17" (if the trimmed
-# head is still the cheaper served first, the saving is the head's). By the same arithmetic n14 (accept 4.54, 1.47x)
-# trimmed would have run at ~1.52x: a continued drafter with the trimmed head is the plan for the 1.5x cell.
+# (the model in 35 s), data (seed 17: launch 105 s, the second server 152 s, 20K prompts 51 s, 283 s of stream, 21,868
+# samples validated, 9.7M tokens, 47 GB), train (n16: 32,000 draft tokens, lr 2e-3, 6.5 epochs, 2,100 steps, 65.5M
+# tokens at 181K tok/s in 361 s; TRIM=16000 kept 99.35% of its training tokens' targets), the 7x8x48 gate in 2 rounds
+# for "n16 n16-t16000", then n16-t8000 (trimmed by hand; DRAFTERS=NAME-tN now trims) in 1 round. Accept 4.18, 4.18, 4.08
+# (paired over the answers both servers wrote alike: t16000 4.280 against n16's 4.283 on 27 prompts, t8000 4.50 against
+# 4.54 on 12); a cycle 3.37, 3.25, 3.23 baseline steps (4.08, 3.80, 4.15 ms); 1.24x, 1.29x, 1.26x. Trimming to 16,000
+# cost no accept and saved ~0.12 baseline steps a cycle (3.6%; the profile's head, softmax and top-k were ~0.36 ms;
+# EAGLE3 ran faster in both of its rounds), but the rounds spread as much (1.33x, 1.24x against 1.23x, 1.25x) and n16
+# was served first, where the first drafter of a bench call has run 0.5-0.7 ms slower a cycle before (06d, 06e): not
+# settled yet. 8,000 tokens save nothing more and lose accept (CPU replay: 3.96, 3.93, 3.81).
+# Next: continue n16 (.gpu-drafters/parts-n16 and seed 17's answers in .gpu-logs, in this checkout): setup x3 as in 06i,
+# data with SELF_SEED=18 carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and parts aa, ab (the rest as in 06i),
+# train carrying .device/bin and parts ac, ad, ae with `echo '{"n17": {"draft_vocab_size": 32000, "ttt_steps": 4, "lr":
+# 0.001, "draft_intermediate_size": 6144, "init_from": "/tmp/init-drafter/n16"}}' > /tmp/grid-n17.json &&
+# GRID=/tmp/grid-n17.json INIT_FROM=parts:n16 STORE=extraction TRAIN_MINUTES=7 TRIM=16000 DRAFTER_NAME=n17 ... train`,
+# then the gate with the order reversed: DRAFTERS="n17-t16000 n17" (if the trimmed head is still the cheaper served
+# first, the saving is the head's). By the same arithmetic n14 (accept 4.54, 1.47x) trimmed would have run at ~1.52x: a
+# continued drafter with the trimmed head is the plan for the 1.5x cell.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
@@ -281,7 +281,7 @@
 # /tmp/init-drafter/NAME in it), AVERAGE (train: 0; 1 with INIT_FROM: also NAME-avg, its average with the drafter it
 # continued), TRIM (train: none; N: also NAME-tN, its draft vocabulary cut to N tokens), STARTER_SET (prompts: kinds; "kinds code" adds functions to complete, "creative" more writing and roleplay; empty: free prompts), DRAFTERS
 # (the last train call's drafters, else wide; the first on every prompt set unless SETS=mt-bench; parts:NAME: a drafter from its parts, carried as for
-# INIT_FROM, served before any data call with gguf2 and .gpu carried; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
+# INIT_FROM, served before any data call with gguf2 and .gpu carried; NAME-tN: NAME's head trimmed to N tokens here, as TRIM=N makes it; best: all the train step's drafters, the best by offline MT-Bench @3 first), NUM_PROMPTS (40: per prompt set, live in bench and captured for the offline side in data), STEPS (3), TOPK (1: a chain; more: an EAGLE-2 tree of DRAFT_TOKENS, root counted), LEVELS (1,16: concurrencies), ROUNDS (1; R > 1: baseline and EAGLE3 up together, every level in R alternating rounds), CALIB (0), KL_AB (train: 0; 1 also times the Triton KL kernels against the PyTorch ops before training), KL_KERNEL (train: auto, the kernels once checked on this GPU, the faster with KL_AB=1; triton; torch). Timings seen on the H200: setup
 # 5 s; data 40 s model + 120 s launch (200 s on a machine that just started: Triton compiles the CUDA graphs' kernels;
 # 90 s for the next launch) + the extraction (10K first turns with cut answers kept: more than 440 s)
 # + 26 s store + 90 s calibration capture; train 86.7K tok/s for one config; bench: baseline launch 146 s, each
@@ -364,7 +364,7 @@ copy_parts() {  # drafter parts (drafter-NAME.tar.part*, as train sends them bac
   for f in .gpu-drafters/parts*/drafter-*.tar.part*; do [ -f "$f" ] && cp -f "$f" /tmp/drafter-parts/; done; return 0
 }
 
-resolve_draft() {  # $1 a drafter: a train call's name, a folder, parts:NAME, or untrained:VOCABxMLP (e.g.
+resolve_draft() {  # $1 a drafter: a train call's name (or NAME-tN), a folder, parts:NAME, or untrained:VOCABxMLP (e.g.
   # untrained:32000x6144: an untrained drafter of that draft vocabulary and MLP width (its head the target's rows, as
   # init=target starts, built here in seconds): what a speculation cycle costs for a drafter's shape needs no training,
   # so shapes are timed without data); sets draft (its folder) and name
@@ -378,7 +378,21 @@ resolve_draft() {  # $1 a drafter: a train call's name, a folder, parts:NAME, or
     run python3 scripts/gpu_check_export.py --target "$MODEL" --random --draft-vocab "${shape%x*}" \
       --draft-mlp "${shape#*x}" --export-to "$draft" --export-only > "$R/$name.json"
   fi
+  # NAME-tN that no call has made while this machine holds NAME: NAME's head trimmed to N tokens here, as TRIM=N in
+  # train makes it (other sizes than train's in the same bench call, e.g. DRAFTERS="n16-t16000 n16-t12000")
+  if [ ! -d "$draft" ] && [[ $name =~ ^(.+)-t([0-9]+)$ ]] && [ -d "/tmp/export/${BASH_REMATCH[1]}" ]; then
+    trim_export "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" || { echo "$1: the trim failed" >&2; exit 2; }
+  fi
   return 0
+}
+
+trim_export() {  # $1 an exported drafter's name, $2 N: /tmp/export/NAME-tN, its draft head cut to the N tokens most
+  # frequent in the training data on this machine (`eaglenest trim-vocab`: the store train read, else the extraction)
+  local counts=$TRAIN_DATA; [ -e "$counts" ] || counts=/tmp/ext/regen
+  [ -e "$counts" ] || { echo "trim $1 to $2: no training data on this machine to count ($TRAIN_DATA, /tmp/ext/regen)" \
+    >&2; return 2; }
+  run python3 -m eaglenest trim-vocab "/tmp/export/$1" "/tmp/export/$1-t$2" --size "$2" --counts-from "$counts" \
+    --overwrite > "$R/trim-$1-t$2.json"
 }
 
 init_drafter() {  # $1 INIT_FROM: an exported drafter folder, or parts:NAME (its parts, carried over several calls)
@@ -800,10 +814,7 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
     # trim-vocab`): in SGLang's draft phase the head's GEMM, the softmax and the top-k over the draft vocabulary took
     # ~0.36 ms of the 1.0 ms a 7x8x48 tree's draft steps cost a cycle (n14, 32,000 tokens; profile-n14-7x8x48.json of
     # 2026-12-06g); bench DRAFTERS="NAME NAME-tN" with the tree's flags and ROUNDS to gate both
-    if [ -n "${TRIM:-}" ]; then
-      run python3 -m eaglenest trim-vocab "/tmp/export/$name" "/tmp/export/$name-t$TRIM" --size "$TRIM" \
-        --counts-from "$TRAIN_DATA" --overwrite > "$R/trim-$name-t$TRIM.json" || echo "trim $name exited $?" >&2
-    fi
+    if [ -n "${TRIM:-}" ]; then trim_export "$name" "$TRIM" || echo "trim $name exited $?" >&2; fi
   done
   # the drafters come back (parts of <= 15 MB) for the CPU benchmark: as many as fit this call's 8 files beside
   # train.tgz; the rest come back with the bench call (listed in $W/drafters-left.txt)
