@@ -259,8 +259,8 @@
 # then the gate with the order reversed: DRAFTERS="n17-t16000 n17" (if the trimmed head is still the cheaper served
 # first, the saving is the head's). By the same arithmetic n14 (accept 4.54, 1.47x) trimmed would have run at ~1.52x: a
 # continued drafter with the trimmed head is the plan for the 1.5x cell.
-# 2026-12-07 (session 63): no machine came (thirteen refused starts and seven calls inside the wait, 00:12-02:08 UTC,
-# took 1,456 of the 1,800 s; the 344 left hold no setup + bench), so the n17 plan above is still next. Where a window
+# 2026-12-07 (session 63): no machine came (fourteen refused starts and eight calls inside the wait, 00:12-02:19 UTC,
+# took 1,561 of the 1,800 s; the 239 left start none), so the n17 plan above is still next. Where a window
 # is too short for data + train (under ~1,450 s), time shapes with no training instead: setup x2 (the kit; gguf1),
 # then one bench call carrying
 # .device/bin .device/gguf2 .gpu/mt-bench.jsonl (63 MB with the tree) with DRAFTERS="untrained:16000x6144
