@@ -260,13 +260,13 @@
 # first, the saving is the head's). By the same arithmetic n14 (accept 4.54, 1.47x) trimmed would have run at ~1.52x: a
 # continued drafter with the trimmed head is the plan for the 1.5x cell.
 # 2026-12-07 (session 63): no machine came (fourteen refused starts and eight calls inside the wait, 00:12-02:19 UTC,
-# took 1,561 of the 1,800 s; the 239 left start none), so the n17 plan above is still next. Where a window
-# is too short for data + train (under ~1,450 s), time shapes with no training instead: setup x2 (the kit; gguf1),
-# then one bench call carrying
-# .device/bin .device/gguf2 .gpu/mt-bench.jsonl (63 MB with the tree) with DRAFTERS="untrained:16000x6144
-# untrained:32000x6144 untrained:16000x6144" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench NUM_PROMPTS=16
-# ROUNDS=2 (the same shape first and last answers the order question; the middle one the head's cost; the untrained
-# branch builds its drafters in seconds: checked on the CPU with SmolLM2, 34 and 63 MB exports). The tree shapes
+# took 1,561 of the 1,800 s; the 239 left start none), so the n17 plan above is still next. Where a window is too
+# short for data + train (under ~1,450 s), time shapes with no training instead: setup x2 (the kit; gguf1), then one
+# bench call carrying .device/bin .device/gguf2 .gpu/mt-bench.jsonl (63 MB with the tree) with
+# DRAFTERS="untrained:16000x6144 untrained:32000x6144 untrained:16000x6144" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1
+# SETS=mt-bench NUM_PROMPTS=16 ROUNDS=2 (the same shape first and last answers the order question, the middle one
+# the head's cost; the untrained branch builds its drafters in seconds, seeded, so a name served twice is the same
+# drafter: checked on the CPU with SmolLM2, 16000x3072 and 32000x6144 exported as 34 and 63 MB). The tree shapes
 # replayed for n16-t16000 (results/2026-12-07-cpu): 7x8 with 32, 40, 48, 64 tokens 3.77, 3.85, 3.93, 4.03; 8x8x48
 # 3.96; 7x16x48 3.97: 32 tokens pay only if verify saves more than ~0.15 ms of the cycle (its tree attention was
 # 0.66 ms for 48).
