@@ -270,6 +270,18 @@
 # replayed for n16-t16000 (results/2026-12-07-cpu): 7x8 with 32, 40, 48, 64 tokens 3.77, 3.85, 3.93, 4.03; 8x8x48
 # 3.96; 7x16x48 3.97: 32 tokens pay only if verify saves more than ~0.15 ms of the cycle (its tree attention was
 # 0.66 ms for 48).
+# n17 (results/2026-12-07b-h100, session 64: eight refused starts took 736 s, an H100 came at 03:37 UTC): the n17 plan
+# cut to fit ~1,000 s: setup x3 (36 s), data (EXTRACT_S=290 STOP_VALIDATE_S=40 in a 430-s call, SELF_COUNT=12000 seed 18:
+# launch 46 s with the kernel caches restored, 200 s of stream, 16,757 samples, 7.9M tokens; 341 s), train
+# (TRAIN_MINUTES=4.5 in a 360-s call: 1,255 steps, 39.2M tokens at 189K tok/s; 275 s), then the gate for n17-t16000
+# alone (ROUNDS=2, 167 s). Accept 4.34 (n16-t16000 4.18), 1.43x (rounds 1.433, 1.419), a cycle 3.73 and 3.91 ms,
+# 3.04 baseline steps: the same cycle as n16-t16000's and as n14's untrimmed head on 2026-12-06g (3.72-3.89 ms, 3.09
+# steps), so the trimmed head saves little and speed now moves with accept: 1.5x needs ~4.56 at 3.04 steps. The CPU
+# replay of /tmp/off/n16-mt read 4.09 (n16-t16000 3.93): live 6% above it for both, so it ranks this lineage.
+# Next: continue n17 (.gpu-drafters/parts-n17 and seed 18's answers in .gpu-logs, in this checkout) as n18, as the n17
+# plan above with SELF_SEED=19, parts-n17 in place of parts-n16, init_from /tmp/init-drafter/n17, DRAFTER_NAME=n18,
+# the full data call (EXTRACT_S=425) and TRAIN_MINUTES=7 where ~1,450 s are left, the cut one above where ~1,000 are;
+# gate DRAFTERS="n18-t16000" alone (167 s) and, with time left, n18 at steps 3 on all sets (the cells' shape).
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
