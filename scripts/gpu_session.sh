@@ -276,8 +276,9 @@
 # (TRAIN_MINUTES=4.5 in a 360-s call: 1,255 steps, 39.2M tokens at 189K tok/s; 275 s), then the gate for n17-t16000
 # alone (ROUNDS=2, 167 s). Accept 4.34 (n16-t16000 4.18), 1.43x (rounds 1.433, 1.419), a cycle 3.73 and 3.91 ms,
 # 3.04 baseline steps: the same cycle as n16-t16000's and as n14's untrimmed head on 2026-12-06g (3.72-3.89 ms, 3.09
-# steps), so the trimmed head saves little and speed now moves with accept: 1.5x needs ~4.56 at 3.04 steps. The CPU
-# replay of /tmp/off/n16-mt read 4.09 (n16-t16000 3.93): live 6% above it for both, so it ranks this lineage.
+# steps), so the trimmed head saves little (the ~1.52x for a trimmed n14 above does not hold) and speed now moves with
+# accept: 1.5x needs ~4.56 at 3.04 steps. The CPU replay of /tmp/off/n16-mt read 4.09 (n16-t16000 3.93): live 6%
+# above it for both, so it ranks this lineage.
 # Next: continue n17 (.gpu-drafters/parts-n17 and seed 18's answers in .gpu-logs, in this checkout) as n18, as the n17
 # plan above with SELF_SEED=19, parts-n17 in place of parts-n16, init_from /tmp/init-drafter/n17, DRAFTER_NAME=n18,
 # the full data call (EXTRACT_S=425) and TRAIN_MINUTES=7 where ~1,450 s are left, the cut one above where ~1,000 are;
