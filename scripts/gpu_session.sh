@@ -283,6 +283,16 @@
 # plan above with SELF_SEED=19, parts-n17 in place of parts-n16, init_from /tmp/init-drafter/n17, DRAFTER_NAME=n18,
 # the full data call (EXTRACT_S=425) and TRAIN_MINUTES=7 where ~1,450 s are left, the cut one above where ~1,000 are;
 # gate DRAFTERS="n18-t16000" alone (167 s) and, with time left, n18 at steps 3 on all sets (the cells' shape).
+# 2026-12-07 (session 65): no machine came (thirteen refused starts, 04:40-06:25 UTC, took 1,531 of the 1,800 s: 90 s
+# each, 180 s where one call tried H100 and then H200; the 269 left start none), so the n18 plan above is still next.
+# On the CPU meanwhile (results/2026-12-07c-cpu): n17-t16000 replayed in 64-token trees reads 7x8x64 +2.5%, 7x10x64
+# +3.1%, 8x8x64 +4.3% over 7x8x48 (4.09): none reaches the ~5% at no extra cost that 1.5x lacks; the soup of n16 and
+# n17 reads 4.06 (no). Where a window is too short for data + train but holds ~450 s: n17-t16000's export is in this
+# checkout as .gpu-drafters/parts-n17-t16000 (3 parts, 44.7 MB): setup x3 (the kit; gguf1; gguf2 with
+# .gpu-logs/kernel-caches.tar.xz), then DRAFTERS=parts:n17-t16000 STEPS=7 TOPK=8 DRAFT_TOKENS=64 LEVELS=1
+# SETS=mt-bench ROUNDS=2 bench carrying .device/bin .gpu and the 3 parts (61 MiB with the tree; the first launch of a
+# machine ~45 s more): the 7x8x64 neighbour live, then DRAFTERS=/tmp/init-drafter/n17-t16000 with DRAFT_TOKENS=48
+# beside it on the same machine.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
