@@ -57,9 +57,11 @@ class SpecConfig:
         if self.topk == 1 and n != self.num_steps + 1:
             raise ValueError(f"num_draft_tokens={n} with topk=1 must be num_steps + 1 = {self.num_steps + 1} "
                              "(SGLang counts the root token in --speculative-num-draft-tokens)")
-        if n < 2 or n > self.topk * self.num_steps + 1:
-            raise ValueError(f"num_draft_tokens={n} must be in [2, topk * num_steps + 1 = "
-                             f"{self.topk * self.num_steps + 1}]")
+        try:  # the tree's bounds live in SpecShape: SGLang picks the tokens from topk + (steps-1)*topk^2 candidates
+            self.shape  # noqa: B018
+        except ValueError as e:
+            raise ValueError(f"num_draft_tokens={n} (root counted) with num_steps={self.num_steps} topk={self.topk}: "
+                             f"{e}") from None
 
     @property
     def draft_tokens(self) -> int:

@@ -73,6 +73,13 @@ def test_spec_config_counts_the_root_like_sglang():
     with pytest.raises(ValueError, match="counts the root"):
         SpecConfig(num_steps=3, num_draft_tokens=3)
     SpecConfig(num_steps=3, topk=4, num_draft_tokens=8)  # trees may verify fewer than topk * steps + 1
+    # ... or more: SGLang keeps the best num_draft_tokens - 1 of topk + (steps-1)*topk^2 candidates (7x8: 392)
+    assert SpecConfig(num_steps=7, topk=8, num_draft_tokens=64).shape.name == "tree7x8n63"
+    assert SpecConfig(num_steps=7, topk=8, num_draft_tokens=393).shape.nodes == 392
+    with pytest.raises(ValueError, match=r"num_draft_tokens=394 .*392"):
+        SpecConfig(num_steps=7, topk=8, num_draft_tokens=394)
+    with pytest.raises(ValueError, match="num_draft_tokens=1 "):
+        SpecConfig(num_steps=3, topk=4, num_draft_tokens=1)
     cmd = sglang_command("/m", port=30000, draft="/d", spec=SpecConfig(num_steps=5), cuda_graph=True)
     assert "--disable-cuda-graph" not in cmd and cmd[cmd.index("--speculative-algorithm") + 1] == "EAGLE3"
     assert cmd[cmd.index("--speculative-num-steps") + 1] == "5"
