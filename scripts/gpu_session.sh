@@ -293,6 +293,13 @@
 # SETS=mt-bench ROUNDS=2 bench carrying .device/bin .gpu and the 3 parts (61 MiB with the tree; the first launch of a
 # machine ~45 s more): the 7x8x64 neighbour live, then DRAFTERS=/tmp/init-drafter/n17-t16000 with DRAFT_TOKENS=48
 # beside it on the same machine.
+# 2026-12-07 (session 66, results/2026-12-07d-h100): eight refused starts took 811 s; an H100 came at 07:46 UTC with
+# 895 s left, so the gate-only plan ran instead of n18: n17-t16000 in four shapes on one machine (each ~163 s), 7x8x48
+# 1.40x (accept 4.31, 3.08 steps), 7x8x56 1.42x (4.45, 3.13), 8x8x64 1.40x (4.45, 3.17), 6x8x49 1.47x (4.12; a slow
+# second baseline round, ~1.37x over the window's median baseline, as 8x8x64; 7x8x48 and 7x8x56 ~1.45x on it). 7x8x64
+# was refused by SpecConfig's old bound (topk*steps+1; SGLang's is topk + (steps-1)*topk^2, fixed in e968ad0). The shape
+# is a plateau: the 1.5x cell needs a better drafter, so the n18 plan above is still next (7x8x56 beside 7x8x48 on the
+# gate is cheap to keep checking). Under ~900 s it does not fit; a gate-only window then has nothing new to serve.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
