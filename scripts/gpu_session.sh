@@ -299,7 +299,9 @@
 # second baseline round, ~1.37x over the window's median baseline, as 8x8x64; 7x8x48 and 7x8x56 ~1.45x on it). 7x8x64
 # was refused by SpecConfig's old bound (topk*steps+1; SGLang's is topk + (steps-1)*topk^2, fixed in e968ad0). The shape
 # is a plateau: the 1.5x cell needs a better drafter, so the n18 plan above is still next (7x8x56 beside 7x8x48 on the
-# gate is cheap to keep checking). Under ~900 s it does not fit; a gate-only window then has nothing new to serve.
+# gate is cheap to keep checking). In hindsight the cut n18 plan fitted: once a machine is up, setup x2 + data + train
+# are ~680 s of calls (session 64: 45 + 341 + 275) and the train call returns n18's parts, so the gate can wait for the
+# next window; run the cut n18 plan whenever ~720 s are left after the first setup, the gate too where ~900 s are.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
