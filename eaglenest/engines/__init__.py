@@ -5,7 +5,12 @@ profiler) are switched on only by these environment variables; production code r
 imports the instrument lazily when it is set, so a production process never loads one.
 """
 
+from typing import Literal, get_args
+
 ENV_FAULTS = "EAGLENEST_FAULTS"
 ENV_PROBE_DRAFT_DIR = "EAGLENEST_PROBE_DRAFT_DIR"
 ENV_PROFILE_DIR = "EAGLENEST_SAMPLE_PROFILE"
+ENV_VERIFY_KERNEL = "EAGLENEST_VERIFY_KERNEL"  # an EAGLE3 server's tree-verify attention (sglang_tree_verify)
+VerifyKernel = Literal["sglang", "splitkv"]  # SGLang's own; eaglenest's split-KV tree kernel (triton backend)
+VERIFY_KERNELS: tuple[str, ...] = get_args(VerifyKernel)
 ENV_PROFILE_INTERVAL = "EAGLENEST_SAMPLE_INTERVAL_S"

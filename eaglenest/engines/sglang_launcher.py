@@ -44,7 +44,8 @@ from eaglenest.engines.sglang_plugin import ENTRY_POINT, PLUGIN_NAME
 
 __all__ = [
     "SUPPORTED_SGLANG_VERSIONS", "LaunchError", "SGLangArgsError", "SGLangCompatError", "build_command",
-    "capture_ready", "check_compat", "plugin_discoverable", "release_work_dir", "serve_foreground",
+    "capture_ready", "check_compat", "plugin_discoverable", "plugin_loading_env", "release_work_dir",
+    "serve_foreground",
 ]
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 DIST_NAME = "eaglenest_sglang_capture"
@@ -105,19 +106,25 @@ def build_command(
     work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
     config = CaptureConfig(capture_dir=Path(capture_dir).expanduser().resolve(), receipt_dir=work / "receipts",
                            aux_layer_ids=ids)
-    env = config.to_env()
+    return argv, {**config.to_env(), **plugin_loading_env(work / "site")}
+
+
+def plugin_loading_env(site_dir: Path) -> dict[str, str]:
+    """What a child ``sglang.launch_server`` needs in its env (merged over ``os.environ``) to load the plugin:
+    eaglenest on its PYTHONPATH, a generated dist-info in ``site_dir`` when the entry point is not installed, and
+    the plugin named in ``SGLANG_PLUGINS`` when that allow-list is set."""
     paths = []
     if not plugin_discoverable():
-        write_plugin_dist_info(work / "site")
-        paths.append(str(work / "site"))
+        write_plugin_dist_info(site_dir)
+        paths.append(str(site_dir))
     paths.append(str(Path(__file__).resolve().parents[2]))  # the folder holding the eaglenest package
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env = {"PYTHONPATH": os.pathsep.join(paths)}
     allowed = os.environ.get("SGLANG_PLUGINS", "")
     if allowed and PLUGIN_NAME not in {x.strip() for x in allowed.split(",")}:
         env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
-    return argv, env
+    return env
 
 
 def release_work_dir(env: dict[str, str]) -> None:

@@ -2,7 +2,9 @@
 
 Loaded by sglang in every process through the entry-point group ``sglang.srt.plugins``
 (``eaglenest_capture = eaglenest.engines.sglang_plugin:register``); no sglang source is edited.
-Inert unless ``EAGLENEST_CAPTURE_DIR`` is set (the launcher sets it, see :mod:`sglang_capture`).
+Inert unless ``EAGLENEST_CAPTURE_DIR`` is set (the launcher sets it, see :mod:`sglang_capture`), or
+``EAGLENEST_VERIFY_KERNEL=splitkv`` (an EAGLE3 server: the target's tree verify through
+:mod:`sglang_tree_verify`, hooked AFTER ``ModelRunner.init_attention_backends``).
 
 Scheduler process (every TP rank), hooks registered with sglang's HookRegistry:
 - AFTER ``ModelRunner.init_attention_backends`` (target runner, before CUDA-graph capture): refuse
@@ -39,7 +41,7 @@ import torch
 
 from eaglenest import contract
 from eaglenest.atomic import atomic_write_bytes, clean_temporaries
-from eaglenest.engines import ENV_PROBE_DRAFT_DIR, ENV_PROFILE_DIR
+from eaglenest.engines import ENV_PROBE_DRAFT_DIR, ENV_PROFILE_DIR, ENV_VERIFY_KERNEL, VERIFY_KERNELS
 from eaglenest.engines.sglang_capture import (
     PROVENANCE_FILE,
     CaptureConfig,
@@ -89,7 +91,11 @@ def register() -> None:
     config = CaptureConfig.from_env()
     probe_dir = os.environ.get(ENV_PROBE_DRAFT_DIR)
     profiling = bool(os.environ.get(ENV_PROFILE_DIR))  # opt-in diagnostics
-    if config is None and not probe_dir and not profiling:
+    verify_kernel = os.environ.get(ENV_VERIFY_KERNEL, "") or "sglang"
+    if verify_kernel not in VERIFY_KERNELS:  # load_plugins swallows Exceptions, not SystemExit
+        raise SystemExit(f"eaglenest plugin: {ENV_VERIFY_KERNEL}={verify_kernel!r}: expected one of "
+                         f"{', '.join(VERIFY_KERNELS)}")
+    if config is None and not probe_dir and not profiling and verify_kernel == "sglang":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.version import __version__ as version
@@ -111,6 +117,8 @@ def register() -> None:
         from eaglenest.testing import sglang_profiler
 
         sglang_profiler.maybe_start("http")
+    if verify_kernel == "splitkv" and multiprocessing.parent_process() is not None:  # schedulers build the runners
+        HookRegistry.register(T_RUNNER, _install_verify_kernel, HookType.AFTER)
     if probe_dir and multiprocessing.parent_process() is not None:
         from eaglenest.testing import sglang_probe
 
@@ -289,6 +297,13 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
         return  # draft runners never capture; a re-initialized backend keeps its runtime (no double wrap)
     _runtime = setup_runtime(runner, config)
     runner._eaglenest_capture = True
+
+
+def _install_verify_kernel(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    """The target runner's tree verify through eaglenest's split-KV kernel (before its CUDA graphs are captured)."""
+    from eaglenest.engines.sglang_tree_verify import install  # imports triton: only where asked for
+
+    install(runner)
 
 
 def _start_scheduler_sampler(result: Any, *args: Any, **kwargs: Any) -> None:

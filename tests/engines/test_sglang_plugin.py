@@ -6,6 +6,8 @@ its answer; the model-info block and an unconfigured register.
 from __future__ import annotations
 
 import asyncio
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -193,3 +195,41 @@ def test_register_is_inert_without_configuration(monkeypatch):
     monkeypatch.delenv("EAGLENEST_CAPTURE_DIR", raising=False)
     monkeypatch.delenv(engines.ENV_PROBE_DRAFT_DIR, raising=False)
     plugin.register()  # sglang is not installed here: any import of it would raise
+
+
+def _fake_sglang(monkeypatch, version: str) -> list[tuple]:
+    """sglang's plugin registry and version as modules that record what register() hooks."""
+    hooked: list[tuple] = []
+    registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    registry.HookType = types.SimpleNamespace(AFTER="after", AROUND="around")
+    registry.HookRegistry = types.SimpleNamespace(register=lambda target, hook, kind: hooked.append((target, hook,
+                                                                                                    kind)))
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", registry)
+    monkeypatch.setitem(sys.modules, "sglang.version", types.SimpleNamespace(__version__=version))
+    return hooked
+
+
+def test_register_hooks_the_verify_kernel_in_schedulers_only(monkeypatch):
+    from eaglenest.engines.sglang_compat import SUPPORTED_SGLANG_VERSIONS
+
+    monkeypatch.delenv("EAGLENEST_CAPTURE_DIR", raising=False)
+    monkeypatch.delenv(engines.ENV_PROBE_DRAFT_DIR, raising=False)
+    monkeypatch.delenv(engines.ENV_PROFILE_DIR, raising=False)
+    hooked = _fake_sglang(monkeypatch, SUPPORTED_SGLANG_VERSIONS[0])
+    monkeypatch.setenv(engines.ENV_VERIFY_KERNEL, "splitkv")
+    monkeypatch.setattr(plugin.multiprocessing, "parent_process", lambda: object())  # a scheduler process
+    plugin.register()
+    assert hooked == [(plugin.T_RUNNER, plugin._install_verify_kernel, "after")]
+    hooked.clear()
+    monkeypatch.setattr(plugin.multiprocessing, "parent_process", lambda: None)  # the HTTP process builds no runner
+    plugin.register()
+    assert hooked == []
+    monkeypatch.setenv(engines.ENV_VERIFY_KERNEL, "sglang")  # SGLang's own kernel: nothing to hook
+    monkeypatch.setattr(plugin.multiprocessing, "parent_process", lambda: object())
+    plugin.register()
+    assert hooked == []
+    monkeypatch.setenv(engines.ENV_VERIFY_KERNEL, "flash")
+    with pytest.raises(SystemExit, match="EAGLENEST_VERIFY_KERNEL='flash': expected one of sglang, splitkv"):
+        plugin.register()
