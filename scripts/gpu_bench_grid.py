@@ -53,9 +53,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
+from eaglenest.engines import VERIFY_KERNELS
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
 from eaglenest.engines.sglang_guards import split_flags
-from eaglenest.speculative.bench import BenchConfig, Prompts, assemble, prepare_prompts, server_commands
+from eaglenest.speculative.bench import (
+    BenchConfig,
+    Prompts,
+    assemble,
+    eagle3_env,
+    prepare_prompts,
+    server_commands,
+)
 from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
 from eaglenest.speculative.loadgen import requests_for
 from eaglenest.speculative.report import gate, markdown_table, write_report
@@ -187,6 +195,8 @@ def main() -> int:
     ap.add_argument("--sglang-arg", action="append", default=[])
     ap.add_argument("--baseline-sglang-arg", action="append", default=[],
                     help="the baseline server's own, after the shared ones (e.g. its fastest --attention-backend)")
+    ap.add_argument("--verify-kernel", choices=VERIFY_KERNELS, default="sglang",
+                    help="the EAGLE3 server's tree-verify attention: SGLang's own or eaglenest's split-KV kernel")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
@@ -201,7 +211,8 @@ def main() -> int:
                 requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
                 min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
                 mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg,
-                baseline_sglang_args=a.baseline_sglang_arg, ready_timeout_s=a.ready_timeout)
+                baseline_sglang_args=a.baseline_sglang_arg, ready_timeout_s=a.ready_timeout,
+                verify_kernel=a.verify_kernel)
     files = a.prompts.split(",")
     sets: dict[str, Prompts] = {}
     for f in files:
@@ -217,6 +228,18 @@ def main() -> int:
     def cfg_for(name: str, k: int) -> BenchConfig:
         return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
                            prompt_file=files[list(sets).index(name)], rounds=a.rounds)
+
+    def confirm_verify_kernel(log_path: Path) -> None:
+        """Say whether the EAGLE3 server's log shows eaglenest's verify kernel running (asked for: --verify-kernel)."""
+        if a.verify_kernel == "sglang":
+            return
+        from eaglenest.engines.sglang_tree_verify import CALLED  # (triton: present wherever SGLang runs)
+
+        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        line = next((x for x in text.splitlines() if CALLED in x), None)
+        print(f"verify kernel {a.verify_kernel}: " + (line.split("eaglenest verify kernel: ", 1)[1] if line else
+              f"NOT CONFIRMED (no '{CALLED}' in {log_path.name}): these EAGLE3 numbers may be SGLang's kernel's"),
+              flush=True)
 
     def show(label: str, name: str, lv) -> None:
         print(f"{label:10s} {name} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s "
@@ -235,8 +258,9 @@ def main() -> int:
         labels = ["baseline", f"eagle3@{k}"]
         for label, cmd in zip(labels, cmds, strict=True):
             print(f"== {label} (together, {a.rounds} rounds): {' '.join(cmd)}", flush=True)
-        servers = {lab: local_server(cmd, port=port, log_path=out / f"server_{lab}.log")
-                   for lab, cmd, port in zip(labels, cmds, ports, strict=True)}
+        envs = ({}, eagle3_env(cfg))
+        servers = {lab: local_server(cmd, port=port, log_path=out / f"server_{lab}.log", env=env)
+                   for lab, cmd, port, env in zip(labels, cmds, ports, envs, strict=True)}
         try:
             res = bench_servers_together(
                 servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
@@ -247,14 +271,15 @@ def main() -> int:
             return None
         finally:
             end_recorded_servers(out / "servers.json")
+        confirm_verify_kernel(out / f"server_{labels[1]}.log")
         for lab in labels:
             (out / f"server_{lab}.json").write_text(json.dumps({n: r.to_json() for n, r in res[lab].items()},
                                                                indent=1))
         return res["baseline"], res[labels[1]]
 
-    def run(label: str, cmd: list[str]) -> dict[str, ServerResult] | None:
+    def run(label: str, cmd: list[str], env: dict[str, str] | None = None) -> dict[str, ServerResult] | None:
         print(f"== {label}: {' '.join(cmd)}", flush=True)
-        server = local_server(cmd, port=a.port, log_path=out / f"server_{label}.log")
+        server = local_server(cmd, port=a.port, log_path=out / f"server_{label}.log", env=env)
         try:
             res = bench_server_sets(
                 label.split("@")[0], server, token_ids, base["concurrencies"], max_new_tokens=a.max_new_tokens,
@@ -265,6 +290,8 @@ def main() -> int:
             return None
         finally:
             end_recorded_servers(out / "servers.json")  # bench_server_sets stopped it; this clears the record
+        if env:
+            confirm_verify_kernel(out / f"server_{label}.log")
         (out / f"server_{label}.json").write_text(json.dumps({n: r.to_json() for n, r in res.items()}, indent=1))
         first = next(iter(res.values()))
         print(f"{label}: started in {first.startup_s:.0f} s", flush=True)
@@ -295,7 +322,8 @@ def main() -> int:
                 return 1
             baseline, eagle3 = pair
         else:
-            eagle3 = run(f"eagle3@{k}", server_commands(cfg_for(next(iter(sets)), k), a.port)[1])
+            cfg = cfg_for(next(iter(sets)), k)
+            eagle3 = run(f"eagle3@{k}", server_commands(cfg, a.port)[1], eagle3_env(cfg))
             if eagle3 is None:
                 return 1
         for name, prompts in sets.items():

@@ -315,7 +315,7 @@
 # conversations, 10.5 MB; train-mtx.jsonl.xz spreads `scripts/pack_code_prompts.py --spread`'s 2,777 coding prompts
 # through it, 10.6 MB: carry one of them instead of train-1tc, the call holds 64 MiB), MAX_TURNS (1), LIMIT (10000), CONC (1024), NUM_SERVERS (2: they share the GPU, 0.7 of it in all, and the run streams from the first ready one; 10K first turns in 128 s after it), EXTRACT (1; 0 skips it), EXTRACT_S (420; after it the extraction stops its servers and validates what it captured for up to STOP_VALIDATE_S, 60: on the H100 on 2026-12-05, 5,749 of 14,669 captured samples were not validated when the budget ended; VALIDATE_CHUNK, 512: samples per validation chunk, the ledger's unit, 4096 before: a 2,535-sample chunk took 45 s there), PROFILE (0; 1: nvidia-smi dmon + stack samples of SGLang's scheduler and HTTP
 # processes and of the extraction's request loop and validation during the extraction: profile.json, and each
-# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), BASELINE_EXTRA (bench: more flags for the baseline server only, after SGL_EXTRA, e.g. "--attention-backend flashinfer": its fastest backend need not be EAGLE3's), EPOCHS (auto: epochs, in tenths, that
+# second's top functions in prof/*.timeline.jsonl; in train, one profiled training step first: train-profile.txt), FP8 (0; 1: also an fp8 store), STORE (bf16; fp8: the one store data writes and train reads; extraction: no store, train reads the extraction folder), ANSWERS_FROM (the tag of carried answers of other turns/limit), CAPTURE_CALIB (1: the extraction's servers capture the eval prompts first, ~15 s; separate: a server of its own, 80-150 s; 0: none), CHUNKED_PREFILL (8192), SGL_EXTRA (more SGLang flags, space-separated: the extraction's servers and both bench servers), BASELINE_EXTRA (bench: more flags for the baseline server only, after SGL_EXTRA, e.g. "--attention-backend flashinfer": its fastest backend need not be EAGLE3's), VERIFY_KERNEL (bench: sglang, the EAGLE3 server's own tree-verify attention; splitkv: eaglenest's split-KV kernel through the plugin, EAGLENEST_VERIFY_SPLITS prefix slices, 8), EPOCHS (auto: epochs, in tenths, that
 # finish in 85% of TRAIN_MINUTES at TRAIN_TOK_S per config, by card and KL kernel in the train step: one config alone; less for two at once), TRAIN_MINUTES (8.5,
 # a safety stop), GRID (a gpu_sweep grid JSON, default one config named DRAFTER_NAME: TTT 4, lr 2e-3, draft vocab 16000, draft MLP 6144),
 # DRAFTER_NAME (wide: the default grid's drafter; e.g. n11 brings the parts back as drafter-n11.tar.part*, ready for
@@ -913,12 +913,12 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     # each grid in a folder of its own (steps, topk, time): a later tree on the same drafter no longer writes over
     # the steps-3 matrix, and only a baseline this very grid measured alone becomes the one later benches reuse
     # (2026-12-06c: a rounds grid's one-level baseline, left in a shared folder, was cached after the next grid)
-    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}-$(date -u +%H%M%S)"
+    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}${VERIFY_KERNEL:+-$VERIFY_KERNEL}-$(date -u +%H%M%S)"
     mkdir -p "$g"
     run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
       --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
-      "${BASE_MORE[@]}" \
+      "${BASE_MORE[@]}" --verify-kernel "${VERIFY_KERNEL:-sglang}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused; $g holds a baseline only
     # when this grid measured one: none when it reused the cached one, which it does only if that covers its prompt

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eaglenest.engines import VerifyKernel
 from eaglenest.forms import show_bounds
 from eaglenest.speculative.serve import SGLANG_BEST, SpecConfig
 from eaglenest.speculative.tree import SpecShape, measured_best_shape
@@ -86,6 +87,10 @@ class BenchConfig(BaseModel):
         [], description="more arguments for the baseline server only, after the shared ones (a later flag wins): "
         "the plain server as fast as you would run it, e.g. another --attention-backend (the fastest one for plain "
         "decoding need not be EAGLE3's: results/2026-12-06f-h100)")
+    verify_kernel: VerifyKernel = Field(
+        "sglang", description="sglang: the EAGLE3 server's tree-verify attention, SGLang's own (its prefill kernel) "
+        "or eaglenest's split-KV kernel (eaglenest.engines.sglang_tree_verify, through the plugin; triton attention "
+        "backend)")
     python: str | None = Field(None, description="interpreter that runs the server (default: this one)")
     store_url: str | None = Field(None, description="store for the offline accept length (optional)")
     heldout_fraction: float = Field(0.05, gt=0, le=1, description="the drafter's eval_fraction (held-out split)")
@@ -114,6 +119,10 @@ class BenchConfig(BaseModel):
                              f"{self.concurrencies}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies must be >= 1: {self.concurrencies}")
+        if self.verify_kernel != "sglang" and (self.engine != "sglang" or self.attention_backend != "triton"):
+            raise ValueError(f"verify_kernel={self.verify_kernel}: replaces SGLang's triton verify kernel, so it needs "
+                             f"engine sglang and attention_backend triton (got {self.engine}, "
+                             f"{self.attention_backend})")
         if self.baseline_sglang_args and self.engine == "embedded":
             raise ValueError("baseline_sglang_args: arguments of an SGLang baseline server (engine sglang)")
         flags = [a.split("=", 1)[0] for a in self.baseline_sglang_args if a.startswith("--")]
@@ -230,6 +239,16 @@ def server_commands(cfg: BenchConfig, port: int, eagle_port: int | None = None) 
     return [py, *base[1:]], [py, *eagle[1:]]
 
 
+def eagle3_env(cfg: BenchConfig) -> dict[str, str]:
+    """What the EAGLE3 server's environment adds (the baseline's adds nothing): the plugin and its verify kernel."""
+    if cfg.verify_kernel == "sglang":
+        return {}
+    from eaglenest.engines import ENV_VERIFY_KERNEL
+    from eaglenest.engines.sglang_launcher import plugin_loading_env
+
+    return {ENV_VERIFY_KERNEL: cfg.verify_kernel, **plugin_loading_env(Path(cfg.output_dir) / "plugin-site")}
+
+
 def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
     """Launch baseline then EAGLE3 (each in its own process group; both at once with ``rounds`` > 1) and measure
     every level."""
@@ -244,7 +263,7 @@ def live_step(cfg: BenchConfig, prompts: Prompts, *, progress=None):
     logs = Path(cfg.output_dir) / "logs"
     return live_grid(
         local_server(base_cmd, port=port, log_path=logs / "baseline.log"),
-        local_server(eagle_cmd, port=eagle_port, log_path=logs / "eagle3.log"),
+        local_server(eagle_cmd, port=eagle_port, log_path=logs / "eagle3.log", env=eagle3_env(cfg)),
         prompts.token_ids, cfg.concurrencies, rounds=cfg.rounds, max_new_tokens=cfg.max_new_tokens,
         ignore_eos=cfg.ignore_eos, requests_per_level=cfg.requests_per_level, ready_timeout_s=cfg.ready_timeout_s,
         timeout_s=cfg.request_timeout_s, progress=progress, pidfile=pidfile(cfg),

@@ -278,3 +278,22 @@ def test_a_bench_run_given_a_prompt_file_records_that_files_set(tmp_path):
     assert r.prompt_set == "humaneval"
     recorded = json.loads(r.notes[0].removeprefix("config: "))
     assert recorded["prompt_set"] == "humaneval" and recorded["prompt_file"] == str(token_file)
+
+
+def test_verify_kernel_reaches_the_eagle3_server_only(tmp_path, monkeypatch):
+    from eaglenest.engines import ENV_VERIFY_KERNEL, sglang_launcher
+    from eaglenest.speculative.bench import BenchConfig, eagle3_env
+
+    assert eagle3_env(BenchConfig(engine="sglang", model="/m", draft="/d", output_dir=str(tmp_path))) == {}
+    monkeypatch.setattr(sglang_launcher, "plugin_discoverable", lambda: False)  # eaglenest on PYTHONPATH only
+    cfg = BenchConfig(engine="sglang", model="/m", draft="/d", output_dir=str(tmp_path), verify_kernel="splitkv",
+                      num_steps=7, topk=8, num_draft_tokens=48)
+    env = eagle3_env(cfg)
+    assert env[ENV_VERIFY_KERNEL] == "splitkv"
+    site = tmp_path / "plugin-site"
+    assert env["PYTHONPATH"].split(":")[0] == str(site)
+    (entry,) = site.glob("*.dist-info/entry_points.txt")
+    assert "eaglenest.engines.sglang_plugin:register" in entry.read_text()
+    for bad in (dict(engine="embedded"), dict(engine="sglang", attention_backend="flashinfer")):
+        with pytest.raises(ValueError, match="verify_kernel=splitkv: replaces SGLang's triton verify kernel"):
+            BenchConfig(model="/m", draft="/d", verify_kernel="splitkv", **bad)
