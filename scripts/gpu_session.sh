@@ -331,7 +331,7 @@
 # EAGLE3 launch about 80 s, 40 MT-Bench prompts x 256 at c=1,16 about 40 s a level; the machine goes cold 30 s
 # after a call returns (then setup, the model and the store are gone): have the next call ready before.
 set -euo pipefail
-STEP=${1:?usage: gpu_session.sh setup|prompts|data|train|bench|profile|specforge}
+STEP=${1:?usage: gpu_session.sh setup|prompts|data|train|bench|profile|kernel|specforge}
 OUT=${OUT:-/tmp/out}
 W=/tmp/eaglenest-session
 R=$W/results/$STEP
@@ -957,6 +957,12 @@ profile)
     ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --requests "${REQUESTS:-2}" "${SGL_MORE[@]}" "${BASE_MORE[@]}" \
     || echo "profile $name exited $?" >&2
   save_kernels  # (its two launches compile as a bench's do)
+  ;;
+kernel)
+  # eaglenest's split-KV tree-verify kernel against SGLang's own, alone (the kit only: after the first setup call,
+  # ~1 minute with Triton's compiling): correctness against float64 attention and microseconds per call in CUDA
+  # graphs at the served target's heads, 48 draft tokens, prefixes 100-1000, batch 1 and 16 (verify-kernel.json)
+  run env OUT="$R" python3 scripts/gpu_verify_kernel.py ${KERNEL_ARGS:-} || echo "kernel check exited $?" >&2
   ;;
 specforge)
   # SpecForge 0.2.0 and the two wheels the kit lacks (.device/specforge, 1.1 MB, from `pip download specforge
