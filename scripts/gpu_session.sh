@@ -302,6 +302,15 @@
 # gate is cheap to keep checking). In hindsight the cut n18 plan fitted: once a machine is up, setup x2 + data + train
 # are ~680 s of calls (session 64: 45 + 341 + 275) and the train call returns n18's parts, so the gate can wait for the
 # next window; run the cut n18 plan whenever ~720 s are left after the first setup, the gate too where ~900 s are.
+# The cycle lever, now in the tree (untested on a GPU yet): verify is ~1.6 ms of the ~3.7-ms cycle and its triton
+# tree attention 0.66 ms (06g's profile), because SGLang verifies through its prefill kernel, one program per
+# (sequence, head) walking the prefix serially (9 programs here). eaglenest.engines.sglang_tree_verify splits the
+# prefix flash-decode style (opt-in through the plugin: VERIFY_KERNEL=splitkv on bench). Next window, first: setup
+# (the kit) then `bash scripts/gpu_session.sh kernel` (~1 minute: correct against SGLang's kernel and float64, and
+# its microseconds per call beside SGLang's); if it is correct and faster, the gate with parts:n17-t16000 (setup x3
+# as in session 66, then DRAFTERS=parts:n17-t16000 STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench ROUNDS=2
+# VERIFY_KERNEL=splitkv bench, then the same without VERIFY_KERNEL on DRAFTERS=/tmp/init-drafter/n17-t16000): 0.4 ms
+# saved of 3.7 would be ~1.5x with n17-t16000 as it is. Then the cut n18 plan with what is left.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
