@@ -147,11 +147,14 @@ def _tree_verify_merge(
                   other=float("-inf"))  # [parts, rows]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m[None, :])
-    w = w / tl.where(tl.sum(w, 0) == 0.0, 1.0, tl.sum(w, 0))[None, :]
-    part = tl.load(Part_O + b * s_ob + h * s_oh + parts[:, None, None] * s_os + rows[None, :, None] * s_ol
-                   + dv[None, None, :], mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0)
-    out = tl.sum(part * w[:, :, None], 0)
+    total = tl.sum(tl.exp(lse - m[None, :]), 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = tl.zeros([L_PAD, BLOCK_DV], tl.float32)
+    for i in range(N_PARTS):  # one [rows, dv] partial at a time (all at once would not fit in registers)
+        lse_i = tl.load(Part_L + b * s_lb + h * s_lh + i * s_ls + rows, mask=row_ok, other=float("-inf"))
+        part = tl.load(Part_O + b * s_ob + h * s_oh + i * s_os + rows[:, None] * s_ol + dv[None, :],
+                       mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        out += part * (tl.exp(lse_i - m) / total)[:, None]
     tl.store(Out + (q_start + rows)[:, None] * s_ot + h * s_oh2 + dv[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (dv[None, :] < DV))
 
