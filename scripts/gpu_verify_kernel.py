@@ -65,6 +65,9 @@ def main() -> int:
         for prefix in (int(x) for x in a.prefixes.split(",")):
             case = verify_case([prefix] * bs, a.draft_tokens, heads=a.heads, kv_heads=a.kv_heads, d=a.head_dim,
                                dtype=torch.bfloat16, device="cuda", seed=prefix + bs)
+            # as SGLang's CUDA-graph buffers hold them (the path a served c=1 verify takes)
+            case.qo_indptr, case.mask_indptr = case.qo_indptr.long(), case.mask_indptr.long()
+            case.custom_mask = case.custom_mask.to(torch.uint8)
             ours, theirs = torch.zeros_like(case.q), torch.zeros_like(case.q)
 
             def run_ours(o=ours, c=case):

@@ -176,7 +176,7 @@ def tree_verify_fwd(
     kv_indices: torch.Tensor, custom_mask: torch.Tensor | None, causal: bool, mask_indptr: torch.Tensor,
     max_len_extend: int, k_scale: float = 1.0, v_scale: float = 1.0, sm_scale: float | None = None,
     logit_cap: float = 0.0, sliding_window_size: int = -1, sinks: Any = None, window_kv_offsets: Any = None,
-    xai_temperature_len: int = -1, splits: int | None = None, **_: Any,
+    xai_temperature_len: int = -1, skip_prefix_custom_mask: bool = True, splits: int | None = None, **_: Any,
 ) -> bool:
     """Write ``o`` ([tokens, q heads, v dim]) for a target-verify forward and return True, or return False for a
     case it does not serve (the caller then runs SGLang's prefill kernel). Arguments as ``extend_attention_fwd``:
@@ -185,11 +185,13 @@ def tree_verify_fwd(
     if (logit_cap and logit_cap > 0) or sinks is not None or (sliding_window_size or -1) > 0 \
             or (xai_temperature_len or -1) > 0 or k_scale != 1.0 or v_scale != 1.0:
         return False
-    if custom_mask is None and not causal:
+    if (custom_mask is None and not causal) or not skip_prefix_custom_mask:  # (a masked prefix: SGLang's kernel)
+        return False
+    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:  # e.g. paged or MLA pools
         return False
     _, heads, d = q.shape
     kv_heads, dv = k_buffer.shape[1], v_buffer.shape[-1]
-    if heads % kv_heads or k_extend.shape[1] != kv_heads or o.shape[-1] != dv:
+    if heads % kv_heads or k_extend.shape[1] != kv_heads or o.shape[-1] != dv or max(d, dv) > 256:
         return False
     bs = qo_indptr.shape[0] - 1
     n_split = splits or _splits()
@@ -240,7 +242,7 @@ def install(runner: Any) -> bool:
         raise VerifyKernelError(f"eaglenest verify kernel: the target's attention backend {type(backend).__name__} "
                                 "has no split-KV verify hook (SGLang's triton backend has one: --attention-backend "
                                 "triton)")
-    backend.verify_splitkv_fwd = tree_verify_fwd
+    backend.verify_splitkv_fwd = torch.compiler.disable(tree_verify_fwd)  # (as SGLang wraps its own)
     backend.use_verify_splitkv = True
     log.info("eaglenest verify kernel: split-KV tree verify on %s (%d prefix splits)", type(backend).__name__,
              _splits())

@@ -36,6 +36,14 @@ def test_tree_verify_matches_masked_attention(prefixes, n_draft, splits):
     assert torch.allclose(got, want, atol=2e-5), (got - want).abs().max()
 
 
+def test_tree_verify_takes_cuda_graph_buffers_int64_offsets_and_a_uint8_mask():
+    c = verify_case([33, 70], 16, seed=7)  # under CUDA graphs SGLang passes int64 indptrs and a uint8 mask
+    c.qo_indptr, c.mask_indptr = c.qo_indptr.long(), c.mask_indptr.long()
+    c.custom_mask = c.custom_mask.to(torch.uint8)
+    got = _run(c, 0.2, splits=4).double()
+    assert torch.allclose(got, reference(c, 0.2), atol=2e-5)
+
+
 def test_tree_verify_without_a_mask_is_causal_and_the_mask_matters():
     chain = verify_case([40], 16, tree=False, seed=3)
     assert torch.allclose(_run(chain, 0.3, splits=4, causal=True).double(), reference(chain, 0.3), atol=2e-5)
@@ -54,6 +62,7 @@ def test_tree_verify_declines_what_it_does_not_serve():
     assert not tv.tree_verify_fwd(*args, sliding_window_size=4)
     assert not tv.tree_verify_fwd(*args, k_scale=0.5)
     assert not tv.tree_verify_fwd(*args, sinks=torch.zeros(4))
+    assert not tv.tree_verify_fwd(*args, skip_prefix_custom_mask=False)
     assert not torch.any(o)  # nothing written: SGLang's own kernel runs instead
 
 
@@ -74,7 +83,8 @@ class _Backend:
 def test_install_takes_the_target_backend_hook_only():
     target = type("Runner", (), {"attn_backend": _Backend(), "is_draft_worker": False})()
     assert tv.install(target)
-    assert target.attn_backend.use_verify_splitkv and target.attn_backend.verify_splitkv_fwd is tv.tree_verify_fwd
+    assert target.attn_backend.use_verify_splitkv
+    assert target.attn_backend.verify_splitkv_fwd.__wrapped__ is tv.tree_verify_fwd
     draft = type("Runner", (), {"attn_backend": _Backend(), "is_draft_worker": True})()
     assert not tv.install(draft) and not draft.attn_backend.use_verify_splitkv
     other = type("Runner", (), {"attn_backend": object(), "is_draft_worker": False})()
