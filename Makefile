@@ -25,7 +25,7 @@ interop:
 	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 \
 	  multiprocess==0.70.19 xxhash==4.1.0 specforge==0.2.0
 	$(PY) -m pip install -q "openai>=2" "loguru==0.7.3" "pandas>=2"
-	$(PY) -m pip install -q --no-deps triton==3.9.0  # the split-KV verify kernel's tests, in Triton's CPU interpreter
+	$(PY) -m pip install -q --no-deps triton==3.9.0  # Triton kernels tested in its CPU interpreter (verify, KL)
 
 # What scripts/gpu_session.sh carries in .gpu (git-ignored; rebuilt here when a checkout lacks it): the three eval
 # prompt sets bench decodes, their first 80 prompts each as chat messages (the data step captures the first

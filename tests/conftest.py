@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton's CPU interpreter for the verify kernel's tests (tests/engines/test_tree_verify.py). Triton reads the choice
+# when it is imported, and the collection of other modules imports it first, so it is made here; only where no CUDA
+# GPU is (there the device tests' SGLang servers, children of this process, must compile their kernels for real)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
