@@ -20,7 +20,6 @@ $(VENV)/.installed: pyproject.toml
 # in without dependency resolution, plus exactly what its import chain needs.
 # specforge (SpecForge's trainer, for the slow side-by-side tests of scripts/gpu_specforge.py) likewise: it pins
 # torch 2.11 and sglang; its offline EAGLE-3 path needs only datasets besides what is here.
-# triton (no dependencies of its own to resolve) runs eaglenest's SGLang verify kernel on numpy for its tests.
 interop:
 	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 \
 	  multiprocess==0.70.19 xxhash==4.1.0 specforge==0.2.0

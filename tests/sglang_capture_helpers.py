@@ -1,5 +1,5 @@
-"""Fake SGLang capture rows and scheduler objects shared by the capture, plugin and staging tests (not a test
-module).
+"""Fake SGLang capture rows and scheduler objects shared by the capture, plugin and staging tests, and the skip of
+the device tests that need a real GPU and sglang (not a test module).
 
 Rows carry their identity (request index, prompt position, layer) so every split, chunk join and shard row can be
 checked exactly against ``check_shard``; ``forward`` drives the plugin glue through one scheduler step as sglang's
@@ -9,9 +9,11 @@ eager runner would, minus the GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from eaglenest import contract
@@ -19,6 +21,8 @@ from eaglenest.engines import sglang_plugin as plugin
 from eaglenest.engines.sglang_receipts import receipt_path
 
 H, IDS = 8, (0, 1, 2)
+NEEDS_GPU_AND_SGLANG = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+                                          reason="needs a CUDA GPU and sglang")
 EXTEND = "EXTEND"
 
 

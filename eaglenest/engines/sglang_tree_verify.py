@@ -16,9 +16,10 @@ any two attention kernels).
 
 :func:`tree_verify_fwd` takes ``extend_attention_fwd``'s arguments, as SGLang's ``verify_splitkv_fwd``
 hook does, and returns False (doing nothing) for what it does not serve: logit caps, sinks, sliding
-windows, fp8 scales, xai temperature. The plugin installs it on the target's backend
-(:func:`install`), opt-in with ``EAGLENEST_VERIFY_KERNEL=splitkv``. It allocates nothing per call beyond
-two scratch tensors from torch's allocator (CUDA-graph safe: captured once, replayed with fixed addresses).
+windows, fp8 scales, xai temperature, paged or MLA pools, heads over 256, a masked prefix. The plugin
+installs it on the target's backend (:func:`install`), opt-in with ``EAGLENEST_VERIFY_KERNEL=splitkv``. It
+allocates nothing per call beyond two scratch tensors from torch's allocator (CUDA-graph safe: captured once,
+replayed with fixed addresses).
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ CALLED = "eaglenest verify kernel: first tree verify"  # logged once per process
 DEFAULT_SPLITS = 8  # prefix slices per (sequence, head); fixed because CUDA graphs cannot read lengths
 BLOCK_N = 64  # keys per inner step
 _logged = False
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, seen, m_i, l_i, acc, sm_scale):
+    """One block of keys ``k`` ([d, keys]) and values ``v`` ([keys, dv]) folded into the running max ``m_i``, sum
+    ``l_i`` and output ``acc`` of the rows, where ``seen`` ([rows, keys]) lets a row see a key."""
+    qk = tl.where(seen, tl.dot(q, k.to(q.dtype)) * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
+    p = tl.exp(qk - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -81,17 +94,9 @@ def _tree_verify_partials(
         loc = tl.load(kv_indices + kv_start + key, mask=key_ok, other=0)
         k = tl.load(K_Buf + loc[None, :] * s_kbt + kvh * s_kbh + dq[:, None],
                     mask=key_ok[None, :] & (dq[:, None] < D), other=0.0)
-        qk = tl.dot(q, k.to(q.dtype)) * sm_scale
-        qk = tl.where(row_ok[:, None] & key_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
         v = tl.load(V_Buf + loc[:, None] * s_vbt + kvh * s_vbh + dv[None, :],
                     mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, row_ok[:, None] & key_ok[None, :], m_i, l_i, acc, sm_scale)
 
     # split N: the draft tokens among themselves, under the tree's mask (an empty range for the other splits)
     n_ext = tl.where(s == N_SPLITS, n_q, 0)
@@ -101,7 +106,8 @@ def _tree_verify_partials(
         key_ok = key < n_ext
         k = tl.load(K_Ext + (q_start + key)[None, :] * s_ket + kvh * s_keh + dq[:, None],
                     mask=key_ok[None, :] & (dq[:, None] < D), other=0.0)
-        qk = tl.dot(q, k.to(q.dtype)) * sm_scale
+        v = tl.load(V_Ext + (q_start + key)[:, None] * s_vet + kvh * s_veh + dv[None, :],
+                    mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
         seen = row_ok[:, None] & key_ok[None, :]
         if USE_MASK:
             bits = tl.load(Mask + mask_start + rows[:, None] * (n_prefix + n_q) + n_prefix + key[None, :],
@@ -109,16 +115,7 @@ def _tree_verify_partials(
             seen = seen & (bits != 0)
         else:
             seen = seen & (key[None, :] <= rows[:, None])
-        qk = tl.where(seen, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        v = tl.load(V_Ext + (q_start + key)[:, None] * s_vet + kvh * s_veh + dv[None, :],
-                    mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, seen, m_i, l_i, acc, sm_scale)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

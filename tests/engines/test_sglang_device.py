@@ -6,7 +6,6 @@ Needs CUDA, sglang (a supported version) and a model: EAGLENEST_DEVICE_MODEL (de
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.sglang_capture_helpers import NEEDS_GPU_AND_SGLANG
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.device
 @pytest.mark.sglang
+@NEEDS_GPU_AND_SGLANG
 def test_gpu_capture_check(tmp_path):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
-        pytest.skip("needs a CUDA GPU and sglang")
     model = Path(os.environ.get("EAGLENEST_DEVICE_MODEL", ROOT / ".device/models/tiny-llama"))
     if not (model / "config.json").is_file():
         pytest.skip(f"no model at {model}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.sglang_capture_helpers import NEEDS_GPU_AND_SGLANG
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.device
 @pytest.mark.sglang
+@NEEDS_GPU_AND_SGLANG
 def test_tree_verify_kernel_agrees_with_sglangs_on_the_gpu(tmp_path):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
-        pytest.skip("needs a CUDA GPU and sglang")
     done = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_verify_kernel.py"), "--prefixes", "5,300",
                            "--batch", "1,3"], env={**os.environ, "OUT": str(tmp_path)}, timeout=600,
                           capture_output=True, text=True, check=False)
