@@ -13,7 +13,10 @@ sampling, the kit's verified flags) started in its own process group, proven rea
 driven at every concurrency on every prompt set with httpx, and stopped: one baseline server, then one EAGLE3
 server per --steps value (a depth sweep); with --rounds R > 1, the baseline and each EAGLE3 server are up
 together (the GPU's memory shared as the extraction shares it) and every level runs in R alternating rounds,
-whose per-round speedups go into matrix.json (speedup_rounds, speedup_median).
+whose per-round speedups go into matrix.json (speedup_rounds, speedup_median). With --rounds, --draft A,B and
+--verify-kernel sglang,splitkv put one EAGLE3 server per drafter and kernel up beside the one baseline, all in the
+same rounds: each gets its report (<set>/steps<k>/<label>) and matrix rows (``variant``), and matrix.json's
+side_by_side compares each with the first round by round (a machine's drift between two calls hides a few percent).
 Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
 and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
 cost in baseline steps (the break-even accept length). --speculative-num-draft-tokens counts the root
@@ -84,6 +87,25 @@ def round_columns(report, c: int) -> dict:
     if not ratios:
         return {}
     return {"speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3)}
+
+
+def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int) -> list[dict]:
+    """matrix.json's side_by_side rows: each EAGLE3 server after the first against the first, by concurrency, as
+    the ratio of their tok/s in each alternating round they shared (the same prompts, back to back: the machine's
+    drift cancels, as it does not between two calls) and its median, with both accept lengths."""
+    (first, ref), *rest = eagles.items()
+    rows = []
+    for label, res in rest:
+        for c, ratios in sorted(res.round_ratios(ref).items()):
+            lv = next((x for x in res.levels if x.concurrency == c), None)
+            lv_ref = next((x for x in ref.levels if x.concurrency == c), None)
+            rows.append({"prompt_set": prompt_set, "steps": steps, "concurrency": c, "variant": label,
+                         "versus": first, "ratio_rounds": [round(r, 3) for r in ratios],
+                         "ratio_median": round(statistics.median(ratios), 3),
+                         "accept_length": round(lv.accept_length, 3) if lv and lv.accept_length else None,
+                         "versus_accept_length": round(lv_ref.accept_length, 3)
+                         if lv_ref and lv_ref.accept_length else None})
+    return rows
 
 
 def baseline_provenance(rounds: int, baseline_json: str | None, *, now: float | None = None,
@@ -170,7 +192,9 @@ def reusable_baseline(path: str, prompt_counts: dict[str, int], concurrencies: l
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", required=True,
+                    help="exported drafter; a comma list (with --rounds > 1) runs one EAGLE3 server per drafter, all "
+                         "up together in the same alternating rounds (a side-by-side comparison)")
     ap.add_argument("--prompts", required=True,
                     help="token JSONL from `eaglenest bench prompts`; several comma-separated files share each server")
     ap.add_argument("--concurrency", default="1,4,16,64")
@@ -195,24 +219,31 @@ def main() -> int:
     ap.add_argument("--sglang-arg", action="append", default=[])
     ap.add_argument("--baseline-sglang-arg", action="append", default=[],
                     help="the baseline server's own, after the shared ones (e.g. its fastest --attention-backend)")
-    ap.add_argument("--verify-kernel", choices=VERIFY_KERNELS, default="sglang",
-                    help="the EAGLE3 server's tree-verify attention: SGLang's own or eaglenest's split-KV kernel")
+    ap.add_argument("--verify-kernel", default="sglang",
+                    help=f"the EAGLE3 server's tree-verify attention ({', '.join(VERIFY_KERNELS)}): SGLang's own or "
+                         "eaglenest's split-KV kernel; a comma list (with --rounds > 1) as for --draft")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
+    drafts, kernels = a.draft.split(","), a.verify_kernel.split(",")
+    if bad := [x for x in kernels if x not in VERIFY_KERNELS]:
+        ap.error(f"--verify-kernel {','.join(bad)}: not one of {', '.join(VERIFY_KERNELS)}")
+    if (len(drafts) > 1 or len(kernels) > 1) and a.rounds < 2:
+        ap.error("several drafters or verify kernels are compared side by side: --rounds 2 or more (their servers "
+                 "up together, in the same alternating rounds)")
     if a.rounds > 1 and (a.only or a.baseline_json or a.requests_per_level):
         ap.error("--rounds measures both servers together: no --only, --baseline-json or --requests-per-level")
     if a.only == "eagle3" and not a.baseline_json:
         ap.error("--only eagle3 needs --baseline-json (the baseline it is compared with)")
     out = Path(os.environ.get("OUT", "/tmp/out"))
     steps = [int(x) for x in a.steps.split(",")]
-    base = dict(engine="sglang", model=a.model, draft=a.draft, topk=a.topk, num_prompts=a.num_prompts,
+    base = dict(engine="sglang", model=a.model, draft=drafts[0], topk=a.topk, num_prompts=a.num_prompts,
                 max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
                 requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
                 min_speedup=a.min_speedup, output_dir=str(out), port=a.port, cuda_graph=not a.no_cuda_graph,
                 mem_fraction_static=a.mem_fraction_static, sglang_args=a.sglang_arg,
                 baseline_sglang_args=a.baseline_sglang_arg, ready_timeout_s=a.ready_timeout,
-                verify_kernel=a.verify_kernel)
+                verify_kernel=kernels[0])
     files = a.prompts.split(",")
     sets: dict[str, Prompts] = {}
     for f in files:
@@ -225,21 +256,34 @@ def main() -> int:
     if a.rounds > fewest:
         ap.error(f"--rounds {a.rounds}: a prompt set has only {fewest} prompts (each round needs one)")
 
-    def cfg_for(name: str, k: int) -> BenchConfig:
-        return BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens,
-                           prompt_file=files[list(sets).index(name)], rounds=a.rounds)
+    def cfg_for(name: str, k: int, draft: str | None = None, kernel: str | None = None) -> BenchConfig:
+        return BenchConfig(**{**base, "draft": draft or drafts[0], "verify_kernel": kernel or kernels[0]},
+                           num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[list(sets).index(name)],
+                           rounds=a.rounds)
 
-    def confirm_verify_kernel(log_path: Path) -> None:
+    def variants(k: int) -> dict[str, BenchConfig]:
+        """The EAGLE3 servers at depth k by label: one per drafter and verify kernel (each named by what differs)."""
+        out = {}
+        for d in drafts:
+            for kern in kernels:
+                name = "".join([f"-{Path(d).name}" if len(drafts) > 1 else "",
+                                f"-{kern}" if len(kernels) > 1 else ""])
+                out[f"eagle3@{k}{name}"] = cfg_for(next(iter(sets)), k, d, kern)
+        if len(out) < len(drafts) * len(kernels):
+            raise SystemExit(f"--draft {a.draft}: two drafters share a folder name (the label of their server)")
+        return out
+
+    def confirm_verify_kernel(log_path: Path, kernel: str) -> None:
         """Say whether the EAGLE3 server's log shows eaglenest's verify kernel running (asked for: --verify-kernel)."""
-        if a.verify_kernel == "sglang":
+        if kernel == "sglang":
             return
         from eaglenest.engines.sglang_tree_verify import CALLED  # (triton: present wherever SGLang runs)
 
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
         line = next((x for x in text.splitlines() if CALLED in x), None)
-        print(f"verify kernel {a.verify_kernel}: " + (line.split("eaglenest verify kernel: ", 1)[1] if line else
-              f"NOT CONFIRMED (no '{CALLED}' in {log_path.name}): these EAGLE3 numbers may be SGLang's kernel's"),
-              flush=True)
+        seen = line.split("eaglenest verify kernel: ", 1)[1] if line else \
+            f"NOT CONFIRMED (no '{CALLED}' in {log_path.name}): these EAGLE3 numbers may be SGLang's kernel's"
+        print(f"verify kernel {kernel} ({log_path.name}): {seen}", flush=True)
 
     def show(label: str, name: str, lv) -> None:
         print(f"{label:10s} {name} c={lv.concurrency:<3d} {lv.output_tok_s:9.1f} tok/s  p50 {lv.latency_p50_s:.3f}s "
@@ -249,16 +293,17 @@ def main() -> int:
         with (out / "levels.jsonl").open("a") as f:
             f.write(json.dumps({"server": label, "prompt_set": name, **lv.to_json()}) + "\n")
 
-    def together(k: int) -> tuple[dict[str, ServerResult], dict[str, ServerResult]] | None:
-        """Baseline and EAGLE3@k up at once on the GPU (each its share of the memory), in alternating rounds."""
-        cfg = BenchConfig(**base, num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[0],
-                          rounds=a.rounds)
-        ports = (a.port, a.port + 1)
-        cmds = server_commands(cfg, *ports)  # each its share of the GPU's memory
-        labels = ["baseline", f"eagle3@{k}"]
+    def together(k: int) -> tuple[dict[str, ServerResult], dict[str, dict[str, ServerResult]]] | None:
+        """Baseline and every EAGLE3@k variant up at once on the GPU (each its share of the memory), in alternating
+        rounds. Returns the baseline's results and each variant's (label -> prompt set -> result)."""
+        eagles = variants(k)
+        first = next(iter(eagles.values()))
+        ports = [a.port + i for i in range(1 + len(eagles))]
+        cmds = server_commands(first, *ports, variants=list(eagles.values()))  # each its share of the GPU's memory
+        labels = ["baseline", *eagles]
         for label, cmd in zip(labels, cmds, strict=True):
             print(f"== {label} (together, {a.rounds} rounds): {' '.join(cmd)}", flush=True)
-        envs = ({}, eagle3_env(cfg))
+        envs = [{}, *(eagle3_env(v) for v in eagles.values())]
         servers = {lab: local_server(cmd, port=port, log_path=out / f"server_{lab}.log", env=env)
                    for lab, cmd, port, env in zip(labels, cmds, ports, envs, strict=True)}
         try:
@@ -271,11 +316,12 @@ def main() -> int:
             return None
         finally:
             end_recorded_servers(out / "servers.json")
-        confirm_verify_kernel(out / f"server_{labels[1]}.log")
+        for lab, v in eagles.items():
+            confirm_verify_kernel(out / f"server_{lab}.log", v.verify_kernel)
         for lab in labels:
             (out / f"server_{lab}.json").write_text(json.dumps({n: r.to_json() for n, r in res[lab].items()},
                                                                indent=1))
-        return res["baseline"], res[labels[1]]
+        return res["baseline"], {lab: res[lab] for lab in eagles}
 
     def run(label: str, cmd: list[str], env: dict[str, str] | None = None) -> dict[str, ServerResult] | None:
         print(f"== {label}: {' '.join(cmd)}", flush=True)
@@ -291,7 +337,7 @@ def main() -> int:
         finally:
             end_recorded_servers(out / "servers.json")  # bench_server_sets stopped it; this clears the record
         if env:
-            confirm_verify_kernel(out / f"server_{label}.log")
+            confirm_verify_kernel(out / f"server_{label}.log", kernels[0])
         (out / f"server_{label}.json").write_text(json.dumps({n: r.to_json() for n, r in res.items()}, indent=1))
         first = next(iter(res.values()))
         print(f"{label}: started in {first.startup_s:.0f} s", flush=True)
@@ -315,37 +361,51 @@ def main() -> int:
     if a.only == "baseline":
         return 0
     matrix = []
+    comparisons = []
     for k in steps:
         if a.rounds > 1:
-            pair = together(k)
-            if pair is None:
+            got = together(k)
+            if got is None:
                 return 1
-            baseline, eagle3 = pair
+            baseline, eagles = got
         else:
             cfg = cfg_for(next(iter(sets)), k)
             eagle3 = run(f"eagle3@{k}", server_commands(cfg, a.port)[1], eagle3_env(cfg))
             if eagle3 is None:
                 return 1
+            eagles = {f"eagle3@{k}": eagle3}
+        kinds = variants(k)
         for name, prompts in sets.items():
-            cfg = cfg_for(name, k)
-            report = assemble(cfg, prompts, baseline[name], eagle3[name])
-            report.notes.append(f"GPU: {gpu_name()}; baseline {how}")
-            write_report(report, out / name / f"steps{k}")
-            print(f"-- {name}, steps {k}\n" + markdown_table(report))
-            for c in base["concurrencies"]:
-                g = gate(report, target_concurrency=c, min_speedup=a.min_speedup)
-                lv = report.level("eagle3", c)
-                matrix.append({"prompt_set": name, "steps": k, "topk": cfg.spec.topk,
-                               "draft_tokens": cfg.spec.draft_tokens, "concurrency": c, "speedup": g.speedup,
-                               "cycle_cost_steps": g.cycle_cost_steps,
-                               "accept_length": lv.accept_length if lv else None,
-                               "baseline_tok_s": report.level("baseline", c).output_tok_s,
-                               "eagle3_tok_s": lv.output_tok_s if lv else None, "baseline_measured": how,
-                               **round_columns(report, c)})
-                if c == a.target_concurrency:
-                    print(("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message, flush=True)
+            for label, eagle3 in eagles.items():
+                v = kinds[label]
+                cfg = cfg_for(name, k, v.draft, v.verify_kernel)
+                report = assemble(cfg, prompts, baseline[name], eagle3[name])
+                report.notes.append(f"GPU: {gpu_name()}; baseline {how}")
+                where = out / name / f"steps{k}"
+                write_report(report, where if len(eagles) == 1 else where / label.split("@", 1)[1])
+                print(f"-- {name}, {label}\n" + markdown_table(report))
+                for c in base["concurrencies"]:
+                    g = gate(report, target_concurrency=c, min_speedup=a.min_speedup)
+                    lv = report.level("eagle3", c)
+                    matrix.append({"prompt_set": name, "steps": k, "topk": cfg.spec.topk,
+                                   "draft_tokens": cfg.spec.draft_tokens, "concurrency": c, "variant": label,
+                                   "draft": v.draft, "verify_kernel": v.verify_kernel, "speedup": g.speedup,
+                                   "cycle_cost_steps": g.cycle_cost_steps,
+                                   "accept_length": lv.accept_length if lv else None,
+                                   "baseline_tok_s": report.level("baseline", c).output_tok_s,
+                                   "eagle3_tok_s": lv.output_tok_s if lv else None, "baseline_measured": how,
+                                   **round_columns(report, c)})
+                    if c == a.target_concurrency:
+                        print(f"{label}: " + ("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message,
+                              flush=True)
+            comparisons += side_by_side({lab: r[name] for lab, r in eagles.items()}, prompt_set=name, steps=k)
+        for row in comparisons:
+            print(f"side by side, {row['prompt_set']} c={row['concurrency']}: {row['variant']} / {row['versus']} "
+                  f"tok/s per round {row['ratio_rounds']}, median {row['ratio_median']}; accept length "
+                  f"{row['accept_length']} vs {row['versus_accept_length']}", flush=True)
         # after each depth, so a call cut during the next one keeps the rows of this one
-        (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix},
+        (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix,
+                                                     **({"side_by_side": comparisons} if comparisons else {})},
                                                     indent=1))
     return 0
 

@@ -18,6 +18,7 @@ Both are owned by :class:`~eaglenest.engines.pool.ServerProcess`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -204,15 +205,21 @@ def prepare_prompts(cfg: BenchConfig) -> Prompts:
     return Prompts(name=ps.name, source=ps.source, token_ids=ids)
 
 
-def server_commands(cfg: BenchConfig, port: int, eagle_port: int | None = None) -> tuple[list[str], list[str]]:
-    """(baseline, eagle3) launch commands for the configured engine; the EAGLE3 server on ``eagle_port`` when
-    given (both up at once: ``rounds`` > 1, where two SGLang servers share the GPU's memory as the extraction's
-    servers do, the user's ``--mem-fraction-static`` being what they hold together)."""
+def server_commands(cfg: BenchConfig, port: int, *eagle_ports: int,
+                    variants: Sequence[BenchConfig] = ()) -> list[list[str]]:
+    """The baseline's launch command, then one EAGLE3 server's per variant (``variants``: configs that differ
+    from ``cfg`` in the drafter, the shape or the verify kernel; none: ``cfg`` itself). Without ``eagle_ports``
+    every server listens on ``port`` (one after another); with them (one per EAGLE3 server) all are up at once
+    (``rounds`` > 1), and SGLang servers share the GPU's memory as the extraction's servers do, the user's
+    ``--mem-fraction-static`` being what they hold together."""
     import sys
 
+    eagles = list(variants) or [cfg]
+    if eagle_ports and len(eagle_ports) != len(eagles):
+        raise ValueError(f"{len(eagles)} EAGLE3 servers need as many ports, got {list(eagle_ports)}")
+    ports = list(eagle_ports) or [port] * len(eagles)
     model = model_path(cfg)
     py = cfg.python or sys.executable
-    eagle_port = port if eagle_port is None else eagle_port
     if cfg.engine == "sglang":
         from eaglenest.engines.sglang_flags import sglang_placements
         from eaglenest.speculative.live import sglang_command
@@ -221,22 +228,22 @@ def server_commands(cfg: BenchConfig, port: int, eagle_port: int | None = None) 
                                   sampling_backend=cfg.sampling_backend, python=py)
         args = list(cfg.sglang_args)
         if cfg.rounds == 1:
-            base_x = eagle_x = args
+            extras = [args] * (1 + len(eagles))
             kw["mem_fraction_static"] = cfg.mem_fraction_static
         else:
             total = [*args, *(["--mem-fraction-static", str(cfg.mem_fraction_static)] if cfg.mem_fraction_static
                               else [])]
-            base_x, eagle_x = (p.flags(total) for p in sglang_placements(total, num_servers=2, gpus=1))
-        base_x = [*base_x, *cfg.baseline_sglang_args]
-        return (sglang_command(model, port=port, extra=base_x, **kw),
-                sglang_command(model, port=eagle_port, draft=cfg.draft, spec=cfg.spec, extra=eagle_x, **kw))
+            extras = [p.flags(total) for p in sglang_placements(total, num_servers=1 + len(eagles), gpus=1)]
+        return [sglang_command(model, port=port, extra=[*extras[0], *cfg.baseline_sglang_args], **kw),
+                *(sglang_command(model, port=p, draft=v.draft, spec=v.spec, extra=x, **kw)
+                  for v, p, x in zip(eagles, ports, extras[1:], strict=True))]
     from eaglenest.speculative.serve import bench_serve_command
 
     base = bench_serve_command(model=model, port=port, dtype=cfg.dtype, onednn=cfg.onednn_baseline,
                                threads=cfg.threads)
-    eagle = bench_serve_command(model=model, port=eagle_port, dtype=cfg.dtype, onednn=cfg.onednn_eagle3,
-                                draft=cfg.draft, shape=cfg.spec_shape, threads=cfg.threads)
-    return [py, *base[1:]], [py, *eagle[1:]]
+    return [[py, *base[1:]], *([py, *bench_serve_command(model=model, port=p, dtype=cfg.dtype, onednn=cfg.onednn_eagle3,
+                                                         draft=v.draft, shape=v.spec_shape, threads=cfg.threads)[1:]]
+                                for v, p in zip(eagles, ports, strict=True))]
 
 
 def eagle3_env(cfg: BenchConfig) -> dict[str, str]:

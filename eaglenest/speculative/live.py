@@ -62,6 +62,16 @@ class ServerResult:
     round_tok_s: dict[str, list[float]] = field(default_factory=dict)
     """Per concurrency (as a string): the output tok/s of each round, when the levels ran in alternating rounds."""
 
+    def round_ratios(self, other: ServerResult) -> dict[int, list[float]]:
+        """This server's tok/s over ``other``'s in each alternating round they shared (the same prompts, back to
+        back), in the order they ran, by concurrency; empty where they were not measured in the same rounds."""
+        out = {}
+        for c, theirs in other.round_tok_s.items():
+            ours = self.round_tok_s.get(c)
+            if ours and len(ours) == len(theirs) and all(t > 0 for t in theirs):
+                out[int(c)] = [a / b for a, b in zip(ours, theirs, strict=True)]
+        return out
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["levels"] = [lv.to_json() for lv in self.levels]

@@ -58,12 +58,7 @@ class BenchReport:
     def round_speedups(self) -> dict[int, list[float]]:
         """EAGLE3 / baseline tok/s of each alternating round (the same prompts, back to back), in the order they
         ran, by concurrency; empty when the two servers were not measured in rounds."""
-        out = {}
-        for c, base in self.baseline.round_tok_s.items():
-            eagle = self.eagle3.round_tok_s.get(c)
-            if eagle and len(eagle) == len(base) and all(b > 0 for b in base):
-                out[int(c)] = [e / b for e, b in zip(eagle, base, strict=True)]
-        return out
+        return self.eagle3.round_ratios(self.baseline)
 
     def live_accept_length(self) -> float | None:
         """Accept length over every EAGLE3 request of the grid (token-weighted across levels)."""

@@ -332,3 +332,116 @@ def test_paired_answers_script_pairs_two_reports(tmp_path, capsys):
     write_report(dataclasses.replace(report([level(1, 100.0)], [eagle]), num_prompts=40), tmp_path / "c", plots=False)
     with pytest.raises(SystemExit, match="num_prompts 80 / 40"):
         main([str(tmp_path / "a" / "report.json"), str(tmp_path / "c" / "report.json")])
+
+
+def test_several_eagle3_servers_share_the_rounds_and_the_gpu(tmp_path):
+    """Two drafters (or verify kernels) compared side by side: the baseline and one EAGLE3 server per variant, all
+    up at once on one GPU (each its share of the memory, its own port and drafter), on the CPU engine as well; the
+    grid's side_by_side rows give each variant's tok/s over the first's in every round they shared."""
+    from eaglenest.engines.sglang_guards import split_flags
+    from eaglenest.speculative.bench import BenchConfig, server_commands
+    from eaglenest.speculative.live import ServerResult
+
+    def flags(cmd):
+        return dict(split_flags(cmd[cmd.index("sglang.launch_server") + 1:]))
+
+    cfg = BenchConfig(draft="/a", engine="sglang", model="/m", rounds=3, num_steps=7, topk=8, num_draft_tokens=48)
+    other = cfg.model_copy(update={"draft": "/b"})
+    cmds = server_commands(cfg, 30000, 30001, 30002, variants=[cfg, other])
+    got = [(f.get("--mem-fraction-static"), f["--port"], f.get("--speculative-draft-model-path"))
+           for f in map(flags, cmds)]
+    assert got == [("0.266", "30000", None), ("0.363", "30001", "/a"), ("0.571", "30002", "/b")]
+    assert all(flags(c)["--speculative-eagle-topk"] == "8" for c in cmds[1:])
+    assert len(server_commands(cfg, 30000)) == 2  # no variants: the config's own EAGLE3 server
+    with pytest.raises(ValueError, match="2 EAGLE3 servers need as many ports"):
+        server_commands(cfg, 30000, 30001, variants=[cfg, other])
+    (tmp_path / "config.json").write_text("{}")  # (the CPU engine's model must be a local folder)
+    cpu = BenchConfig(draft="/a", engine="embedded", model=str(tmp_path), rounds=2)
+    cpu_cmds = server_commands(cpu, 9000, 9001, 9002, variants=[cpu, cpu.model_copy(update={"draft": "/b"})])
+    assert [c[c.index("--port") + 1] for c in cpu_cmds] == ["9000", "9001", "9002"]
+    assert [c[c.index("--speculative-draft-model-path") + 1] for c in cpu_cmds[1:]] == ["/a", "/b"]
+
+    from spec_support import level
+
+    def server(name: str, tok_s: list[float], accept: float) -> ServerResult:
+        return ServerResult(name=name, cmd=[], levels=[level(1, sum(tok_s) / 3, accept=accept)],
+                            server_accept_length=None, startup_s=1.0, round_tok_s={"1": tok_s})
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    side_by_side = runpy.run_path(str(script))["side_by_side"]
+    rows = side_by_side({"eagle3@7-sglang": server("a", [1000.0, 900.0, 1100.0], 4.3),
+                         "eagle3@7-splitkv": server("b", [1050.0, 900.0, 1210.0], 4.29)},
+                        prompt_set="mt-bench", steps=7)
+    assert rows == [{"prompt_set": "mt-bench", "steps": 7, "concurrency": 1, "variant": "eagle3@7-splitkv",
+                     "versus": "eagle3@7-sglang", "ratio_rounds": [1.05, 1.0, 1.1], "ratio_median": 1.05,
+                     "accept_length": 4.29, "versus_accept_length": 4.3}]
+    assert side_by_side({"eagle3@7": server("a", [1.0, 1.0, 1.0], 4.0)}, prompt_set="x", steps=7) == []
+
+
+def test_the_grid_compares_variants_only_in_shared_rounds(tmp_path):
+    """Several drafters or verify kernels without --rounds would be measured one after another (the machine's drift
+    between them unaccounted for): refused before anything starts, as is an unknown kernel."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+
+    def refused(*args: str) -> str:
+        p = subprocess.run([sys.executable, str(script), "--model", "/m", "--prompts", "/p.jsonl", *args],
+                           capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
+        assert p.returncode == 2
+        return p.stderr
+
+    assert "--rounds 2 or more" in refused("--draft", "/a,/b")
+    assert "--rounds 2 or more" in refused("--draft", "/a", "--verify-kernel", "sglang,splitkv")
+    assert "--verify-kernel fast: not one of sglang, splitkv" in refused("--draft", "/a", "--verify-kernel", "fast")
+
+
+def test_the_grid_reports_each_variant_against_the_shared_baseline(tmp_path, monkeypatch):
+    """gpu_bench_grid.py with two drafters and --rounds 3 (servers faked, no GPU): ONE launch of the baseline and
+    both EAGLE3 servers together, each drafter's report (under steps7/<label>) and matrix rows against that one
+    baseline, and the side_by_side row of the second over the first, round by round."""
+    from spec_support import level
+
+    from eaglenest.speculative.bench import Prompts
+    from eaglenest.speculative.live import ServerResult
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    main = runpy.run_path(str(script))["main"]
+    grid = main.__globals__  # (the script's own globals: what main looks up)
+    launched: list[list[str]] = []
+
+    def together(servers, prompt_sets, concurrencies, *, rounds, **_):
+        launched.append(list(servers))
+        tok_s = {"baseline": [800.0, 700.0, 810.0], "eagle3@7-a": [1120.0, 980.0, 1130.0],
+                 "eagle3@7-b": [1176.0, 980.0, 1243.0]}
+        accept = {"baseline": None, "eagle3@7-a": 4.3, "eagle3@7-b": 4.4}
+        return {name: {s: ServerResult(name=name, cmd=[name], server_accept_length=accept[name], startup_s=1.0,
+                                       levels=[level(1, sum(tok_s[name]) / 3, accept=accept[name])],
+                                       round_tok_s={"1": tok_s[name]})
+                       for s in prompt_sets} for name in servers}
+
+    monkeypatch.setitem(grid, "bench_servers_together", together)
+    monkeypatch.setitem(grid, "local_server", lambda cmd, **kw: cmd)
+    monkeypatch.setitem(grid, "end_recorded_servers", lambda path: None)
+    monkeypatch.setitem(grid, "gpu_name", lambda: "fake GPU")
+    monkeypatch.setitem(grid, "prepare_prompts", lambda cfg: Prompts(name="mt-bench", source="x",
+                                                                     token_ids=[[1, 2], [3, 4], [5, 6]]))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["gpu_bench_grid.py", "--model", "/m", "--draft", "/x/a,/x/b", "--prompts",
+                                     "/p.jsonl", "--concurrency", "1", "--steps", "7", "--topk", "8",
+                                     "--draft-tokens", "48", "--rounds", "3"])
+    assert main() == 0
+    assert launched == [["baseline", "eagle3@7-a", "eagle3@7-b"]]
+    matrix = json.loads((tmp_path / "matrix.json").read_text())
+    rows = {r["variant"]: r for r in matrix["rows"]}
+    assert set(rows) == {"eagle3@7-a", "eagle3@7-b"} and rows["eagle3@7-b"]["draft"] == "/x/b"
+    assert rows["eagle3@7-a"]["speedup_rounds"] == [1.4, 1.4, 1.395]
+    assert rows["eagle3@7-b"]["baseline_tok_s"] == rows["eagle3@7-a"]["baseline_tok_s"]  # one shared baseline
+    assert matrix["side_by_side"] == [{"prompt_set": "mt-bench", "steps": 7, "concurrency": 1,
+                                       "variant": "eagle3@7-b", "versus": "eagle3@7-a",
+                                       "ratio_rounds": [1.05, 1.0, 1.1], "ratio_median": 1.05,
+                                       "accept_length": 4.4, "versus_accept_length": 4.3}]
+    for label in ("7-a", "7-b"):
+        report = json.loads((tmp_path / "mt-bench" / "steps7" / label / "report.json").read_text())
+        assert report["draft"] == f"/x/{label[-1]}"
