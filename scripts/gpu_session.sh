@@ -302,15 +302,18 @@
 # gate is cheap to keep checking). In hindsight the cut n18 plan fitted: once a machine is up, setup x2 + data + train
 # are ~680 s of calls (session 64: 45 + 341 + 275) and the train call returns n18's parts, so the gate can wait for the
 # next window; run the cut n18 plan whenever ~720 s are left after the first setup, the gate too where ~900 s are.
-# The cycle lever, now in the tree (untested on a GPU yet): verify is ~1.6 ms of the ~3.7-ms cycle and its triton
-# tree attention 0.66 ms (06g's profile), because SGLang verifies through its prefill kernel, one program per
-# (sequence, head) walking the prefix serially (9 programs here). eaglenest.engines.sglang_tree_verify splits the
-# prefix flash-decode style (opt-in through the plugin: VERIFY_KERNEL=splitkv on bench). Next window, first: setup
-# (the kit) then `bash scripts/gpu_session.sh kernel` (~1 minute: correct against SGLang's kernel and float64, and
-# its microseconds per call beside SGLang's); if it is correct and faster, the gate with parts:n17-t16000 (setup x3
-# as in session 66, then DRAFTERS=parts:n17-t16000 STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench ROUNDS=2
-# VERIFY_KERNEL=splitkv bench, then the same without VERIFY_KERNEL on DRAFTERS=/tmp/init-drafter/n17-t16000): 0.4 ms
-# saved of 3.7 would be ~1.5x with n17-t16000 as it is. Then the cut n18 plan with what is left.
+# 2026-12-07 (session 67, results/2026-12-07e-h100): an H100 at once. The split-KV verify kernel (`kernel`, 23 s) is
+# correct (no error over SGLang's kernel's against float64) and per call 1.4-5.3x faster at batch 1 (prefix 100-1000),
+# 0.6-1.8x at batch 16; served (n17-t16000, 7x8x48, MT-Bench c=1) it changed nothing measurable: 1.40x and 3.06
+# baseline steps a cycle (3.76 ms) against SGLang's kernel's 1.40x and 3.07 (3.70 ms) in the next call, 3 rounds each
+# (a 2-round pair before them read 1.28x/1.36x, the first on a machine whose baseline moved 763 -> 645 tok/s between
+# rounds). Then the cut n18 plan: data (SELF_SEED=19, 12K prompts, 12,115 samples validated, 323 s) and train (n18 from
+# n17, 1,208 steps in 224 s): offline +0.05-0.10 at depth 7 on the eval sets, CPU tree replay 4.22 vs n17's 4.15.
+# Next window: setup x3 (the kit; gguf1; gguf2 + .gpu-logs/kernel-caches.tar.xz), a setup with .device/bin and
+# .gpu-drafters/parts-n18-t16000's 3 parts (trimmed here with seed 19's answers), then ONE side-by-side grid:
+# SIDE_BY_SIDE=1 DRAFTERS="parts:n17-t16000 parts:n18-t16000" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench
+# ROUNDS=4 bench carrying .device/bin .gpu and parts-n17-t16000's 3 parts (~200 s), and, with time left,
+# VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds).
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
@@ -452,7 +455,7 @@ init_drafter() {  # $1 INIT_FROM: an exported drafter folder, or parts:NAME (its
   [ "$name" != "$1" ] || { realpath "$1"; return; }
   ls /tmp/drafter-parts/drafter-"$name".tar.part* >/dev/null 2>&1 \
     || { echo "INIT_FROM=$1: no /tmp/drafter-parts/drafter-$name.tar.part* (carry .gpu-drafters/parts*/...)" >&2; exit 2; }
-  rm -rf /tmp/init-drafter && mkdir -p /tmp/init-drafter
+  rm -rf "/tmp/init-drafter/$name" && mkdir -p /tmp/init-drafter  # (others stay: SIDE_BY_SIDE serves several)
   cat /tmp/drafter-parts/drafter-"$name".tar.part* | tar -C /tmp/init-drafter -xf - || { echo "INIT_FROM=$1: \
 the parts do not unpack (one missing?): $(ls /tmp/drafter-parts)" >&2; exit 2; }
   echo "/tmp/init-drafter/$name"
@@ -902,13 +905,22 @@ runs = sorted(glob.glob('/tmp/sweep/*/result.json'), key=score, reverse=True)
 print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     echo "drafters, best by offline MT-Bench @3 first: $drafters" >&2
   fi
+  # SIDE_BY_SIDE=1 (with ROUNDS > 1): every drafter in ONE grid, their EAGLE3 servers up together with the baseline
+  # in the same alternating rounds (matrix.json's side_by_side: each one's tok/s over the first's, round by round);
+  # VERIFY_KERNEL=sglang,splitkv compares the kernels so (one server per drafter and kernel). Between two calls the
+  # same server moved 4.02 -> 3.70 ms a cycle (2026-12-07e): a difference under ~8% needs the shared rounds
+  side=""
+  if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    for name in $drafters; do resolve_draft "$name"; side+="${side:+,}$draft"; done
+    drafters=side-by-side
+  fi
   for name in $drafters; do
     [ "$name" != none ] || continue
     sets=/tmp/gpu/mt-bench.jsonl,/tmp/gpu/humaneval.jsonl,/tmp/gpu/sharegpt.jsonl
     case "${SETS:-all}" in all|mt-bench) ;; *) echo "SETS must be all or mt-bench, got '$SETS'" >&2; exit 2 ;; esac
     [ "$first" = 1 ] && [ "${SETS:-all}" = all ] || sets=/tmp/gpu/mt-bench.jsonl
     first=0
-    resolve_draft "$name"
+    if [ -n "$side" ]; then draft=$side; else resolve_draft "$name"; fi
     # SGL_EXTRA reaches both servers here too (e.g. "--enable-torch-compile --torch-compile-max-bs 1"; the grid sets
     # the attention and sampling backends itself); a baseline is reused only by a bench with the same flags, those
     # of speculation (--speculative-*, e.g. "--speculative-attention-mode decode") aside: the baseline runs none
@@ -922,7 +934,7 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     # each grid in a folder of its own (steps, topk, time): a later tree on the same drafter no longer writes over
     # the steps-3 matrix, and only a baseline this very grid measured alone becomes the one later benches reuse
     # (2026-12-06c: a rounds grid's one-level baseline, left in a shared folder, was cached after the next grid)
-    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}${VERIFY_KERNEL:+-$VERIFY_KERNEL}-$(date -u +%H%M%S)"
+    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}${VERIFY_KERNEL:+-${VERIFY_KERNEL//,/+}}-$(date -u +%H%M%S)"
     mkdir -p "$g"
     run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
       --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
