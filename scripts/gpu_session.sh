@@ -313,7 +313,10 @@
 # .gpu-drafters/parts-n18-t16000's 3 parts (trimmed here with seed 19's answers), then ONE side-by-side grid:
 # SIDE_BY_SIDE=1 DRAFTERS="parts:n17-t16000 parts:n18-t16000" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench
 # ROUNDS=4 bench carrying .device/bin .gpu and parts-n17-t16000's 3 parts (~200 s), and, with time left,
-# VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds).
+# VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds). With ~750 s left after
+# that: the cut plan again for n19 (SELF_SEED=20; data carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and
+# .gpu-drafters/parts-n18's aa, ab; train with INIT_FROM=parts:n18, "init_from": "/tmp/init-drafter/n18" in the grid,
+# carrying ac, ad, ae), and a side-by-side gate of n19-t16000 and n18-t16000 if ~250 s remain.
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
