@@ -2,7 +2,7 @@
 
     python scripts/gpu_profile_cycle.py --model MODEL_DIR --draft DRAFTER_DIR --prompts mt-bench.jsonl \
         [--steps 7 --topk 8 --draft-tokens 48] [--requests 2] [--max-new-tokens 256] [--sglang-arg X ...] \
-        [--baseline-sglang-arg X ...]
+        [--baseline-sglang-arg X ...] [--verify-kernel splitkv]
 
 Each server (the baseline, then EAGLE3; launched as gpu_bench_grid.py launches them) is warmed up, then SGLang's
 torch profiler (``/start_profile``, CPU and GPU activities) records ``--requests`` greedy requests at concurrency 1,
@@ -11,6 +11,9 @@ share of the span, the idle gaps between kernels, the costliest kernels and host
 (baseline) or verify cycle (EAGLE3) as the trace's own step ranges count them, and by SGLang's phases. Writes
 $OUT/profile.json and each trace (gzip) when it is under 14 MB. A speculation cycle that costs 2-3 baseline steps
 while the GPU is busy for a fraction of it is paid on the host, not in kernels (on 2026-12-06g it was not).
+--verify-kernel splitkv profiles the EAGLE3 server with eaglenest's tree-verify kernel (as gpu_bench_grid.py serves it):
+its kernels' microseconds in the verify phase beside SGLang's _fwd_kernel of another run (2026-12-07e: 1.4-5.3x faster
+a call alone, no change served).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from eaglenest.engines import VERIFY_KERNELS
 from eaglenest.engines.pool import LaunchError, launched, local_server
-from eaglenest.speculative.bench import BenchConfig, prepare_prompts, server_commands
+from eaglenest.speculative.bench import BenchConfig, eagle3_env, prepare_prompts, server_commands
 from eaglenest.speculative.live import warm
 from eaglenest.speculative.loadgen import run_levels
 from eaglenest.speculative.trace import load_trace, summarize
@@ -34,11 +38,11 @@ MAX_TRACE_BYTES = 14 * 2**20
 
 
 def profile_server(label: str, cmd: list[str], port: int, prompts: list[list[int]], *, requests: int,
-                   max_new_tokens: int, out: Path, ready_timeout_s: float) -> dict:
+                   max_new_tokens: int, out: Path, ready_timeout_s: float, env: dict[str, str] | None = None) -> dict:
     print(f"== {label}: {' '.join(cmd)}", flush=True)
     traces = Path(f"/tmp/profile-{label}-{int(time.time())}")
     traces.mkdir(parents=True)
-    server = local_server(cmd, port=port, log_path=out / f"server_{label}.log")
+    server = local_server(cmd, port=port, log_path=out / f"server_{label}.log", env=env)
     with launched(server, timeout_s=ready_timeout_s):
         warm(server, prompts, 3, [1], max_new_tokens=max_new_tokens, ignore_eos=False, timeout_s=600.0)
         plain = run_levels(server.url, prompts, [1], max_new_tokens=max_new_tokens, requests_per_level=requests,
@@ -87,6 +91,8 @@ def main() -> int:
     ap.add_argument("--sglang-arg", action="append", default=[])
     ap.add_argument("--baseline-sglang-arg", action="append", default=[])
     ap.add_argument("--only", choices=["baseline", "eagle3"], default=None)
+    ap.add_argument("--verify-kernel", choices=VERIFY_KERNELS, default="sglang",
+                    help="the EAGLE3 server's tree-verify attention: SGLang's own or eaglenest's split-KV kernel")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     a = ap.parse_args()
@@ -95,15 +101,18 @@ def main() -> int:
     cfg = BenchConfig(engine="sglang", model=a.model, draft=a.draft, num_steps=a.steps, topk=a.topk,
                       num_draft_tokens=a.draft_tokens, prompt_file=a.prompts, num_prompts=max(a.requests, 3) + 3,
                       max_new_tokens=a.max_new_tokens, concurrencies=[1], sglang_args=a.sglang_arg,
-                      baseline_sglang_args=a.baseline_sglang_arg, output_dir=str(out), port=a.port)
+                      baseline_sglang_args=a.baseline_sglang_arg, output_dir=str(out), port=a.port,
+                      verify_kernel=a.verify_kernel)
     prompts = prepare_prompts(cfg).token_ids
-    report: dict = {"prompts": a.prompts, "spec": {"steps": a.steps, "topk": a.topk, "draft_tokens": a.draft_tokens}}
+    report: dict = {"prompts": a.prompts, "spec": {"steps": a.steps, "topk": a.topk, "draft_tokens": a.draft_tokens},
+                    "verify_kernel": a.verify_kernel}
     for label, cmd in zip(("baseline", "eagle3"), server_commands(cfg, a.port), strict=True):
         if a.only and label != a.only:
             continue
         try:
             report[label] = profile_server(label, cmd, a.port, prompts, requests=a.requests,
-                                           max_new_tokens=a.max_new_tokens, out=out, ready_timeout_s=a.ready_timeout)
+                                           max_new_tokens=a.max_new_tokens, out=out, ready_timeout_s=a.ready_timeout,
+                                           env=eagle3_env(cfg) if label == "eagle3" else None)
         except (LaunchError, RuntimeError, httpx.HTTPError, OSError, EOFError, ValueError) as e:
             print(f"{label}: {e}", flush=True)
             report[label] = {"error": str(e)}

@@ -313,7 +313,10 @@
 # .gpu-drafters/parts-n18-t16000's 3 parts (trimmed here with seed 19's answers), then ONE side-by-side grid:
 # SIDE_BY_SIDE=1 DRAFTERS="parts:n17-t16000 parts:n18-t16000" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench
 # ROUNDS=4 bench carrying .device/bin .gpu and parts-n17-t16000's 3 parts (~200 s), and, with time left,
-# VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds). With ~750 s left after
+# VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds; or, to see where its time
+# goes, DRAFTERS=/tmp/init-drafter/n17-t16000 STEPS=7 TOPK=8 DRAFT_TOKENS=48 VERIFY_KERNEL=splitkv ONLY=eagle3 profile,
+# ~100 s: the verify phase's kernels beside 06g's SGLang _fwd_kernel, 660 us a cycle of the phase's 1.58 ms on the
+# GPU, the cycle's 2.9 ms of GPU time in a ~3.7-ms cycle). With ~750 s left after
 # that: the cut plan again for n19 (SELF_SEED=20; data carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and
 # .gpu-drafters/parts-n18's aa, ab; train with INIT_FROM=parts:n18, "init_from": "/tmp/init-drafter/n18" in the grid,
 # carrying ac, ad, ae), and a side-by-side gate of n19-t16000 and n18-t16000 if ~250 s remain.
@@ -976,10 +979,11 @@ profile)
 '${DRAFTERS:-}'" >&2; exit 2 ;; esac
   serve_inputs
   resolve_draft "${DRAFTERS%% *}"
-  run env OUT="$R/profile-$name" python3 scripts/gpu_profile_cycle.py --model "$MODEL" --draft "$draft" \
+  # (VERIFY_KERNEL=splitkv: the EAGLE3 server with eaglenest's verify kernel; ONLY=eagle3: that server alone)
+  run env OUT="$R/profile-$name${VERIFY_KERNEL:+-$VERIFY_KERNEL}" python3 scripts/gpu_profile_cycle.py --model "$MODEL" --draft "$draft" \
     --prompts /tmp/gpu/mt-bench.jsonl --steps "${STEPS:-3}" --topk "${TOPK:-1}" \
     ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --requests "${REQUESTS:-2}" "${SGL_MORE[@]}" "${BASE_MORE[@]}" \
-    || echo "profile $name exited $?" >&2
+    --verify-kernel "${VERIFY_KERNEL:-sglang}" ${ONLY:+--only "$ONLY"} || echo "profile $name exited $?" >&2
   save_kernels  # (its two launches compile as a bench's do)
   ;;
 kernel)

@@ -297,3 +297,33 @@ def test_verify_kernel_reaches_the_eagle3_server_only(tmp_path, monkeypatch):
     for bad in (dict(engine="embedded"), dict(engine="sglang", attention_backend="flashinfer")):
         with pytest.raises(ValueError, match="verify_kernel=splitkv: replaces SGLang's triton verify kernel"):
             BenchConfig(model="/m", draft="/d", verify_kernel="splitkv", **bad)
+
+
+def test_the_cycle_profile_serves_the_verify_kernel_it_is_asked_for(tmp_path, monkeypatch):
+    """gpu_profile_cycle.py --verify-kernel splitkv (no GPU: the profiling faked): the EAGLE3 server gets the plugin's
+    kernel in its environment, the baseline nothing, and profile.json names the kernel."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    from eaglenest.engines import ENV_VERIFY_KERNEL
+    from eaglenest.speculative.bench import Prompts
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_profile_cycle.py"
+    main = runpy.run_path(str(script))["main"]
+    seen: dict[str, dict | None] = {}
+
+    def profile_server(label, cmd, port, prompts, *, env=None, **_):
+        seen[label] = env
+        return {"command": cmd}
+
+    monkeypatch.setitem(main.__globals__, "profile_server", profile_server)
+    monkeypatch.setitem(main.__globals__, "prepare_prompts", lambda cfg: Prompts(name="mt-bench", source="x",
+                                                                                 token_ids=[[1, 2]] * 6))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["gpu_profile_cycle.py", "--model", "/m", "--draft", "/d", "--prompts",
+                                     "/p.jsonl", "--steps", "7", "--topk", "8", "--draft-tokens", "48",
+                                     "--verify-kernel", "splitkv"])
+    assert main() == 0
+    assert seen["baseline"] is None and seen["eagle3"][ENV_VERIFY_KERNEL] == "splitkv"
+    assert json.loads((tmp_path / "profile.json").read_text())["verify_kernel"] == "splitkv"
