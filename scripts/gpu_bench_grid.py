@@ -4,7 +4,7 @@
         [--concurrency 1,4,16,64] [--steps 3 | --steps 1,2,3,5,8] [--topk 1 --draft-tokens 4] [--max-new-tokens 256] \
         [--num-prompts 32] [--target-concurrency 1 --min-speedup 1.0] [--only baseline|eagle3] \
         [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...] \
-        [--baseline-sglang-arg X ...]
+        [--baseline-sglang-arg X ...] [--rounds R] [--verify-kernel sglang|splitkv[,...]]
 
 PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prompts --prompt-set mt-bench
 --out prompts.jsonl`` (chat-templated token ids; the GPU machine has no network). Each server is
@@ -15,7 +15,8 @@ server per --steps value (a depth sweep); with --rounds R > 1, the baseline and 
 together (the GPU's memory shared as the extraction shares it) and every level runs in R alternating rounds,
 whose per-round speedups go into matrix.json (speedup_rounds, speedup_median). With --rounds, --draft A,B and
 --verify-kernel sglang,splitkv put one EAGLE3 server per drafter and kernel up beside the one baseline, all in the
-same rounds: each gets its report (<set>/steps<k>/<label>) and matrix rows (``variant``), and matrix.json's
+same rounds: each gets its report (<set>/steps<k>/<k>-<drafter>[-<kernel>]) and matrix rows (``variant``, ``draft``,
+``verify_kernel``), and matrix.json's
 side_by_side compares each with the first round by round (a machine's drift between two calls hides a few percent).
 Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
 and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
@@ -54,9 +55,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root travels with the command
 
-from eaglenest.engines import VERIFY_KERNELS
+from eaglenest.engines import VERIFY_KERNEL_CALLED, VERIFY_KERNELS, verify_kernel_seen
 from eaglenest.engines.pool import LaunchError, end_recorded_servers, local_server
 from eaglenest.engines.sglang_guards import split_flags
 from eaglenest.speculative.bench import (
@@ -68,7 +71,7 @@ from eaglenest.speculative.bench import (
     server_commands,
 )
 from eaglenest.speculative.live import ServerResult, bench_server_sets, bench_servers_together
-from eaglenest.speculative.loadgen import requests_for
+from eaglenest.speculative.loadgen import BenchError, requests_for
 from eaglenest.speculative.report import gate, markdown_table, write_report
 
 
@@ -228,6 +231,13 @@ def main() -> int:
     drafts, kernels = a.draft.split(","), a.verify_kernel.split(",")
     if bad := [x for x in kernels if x not in VERIFY_KERNELS]:
         ap.error(f"--verify-kernel {','.join(bad)}: not one of {', '.join(VERIFY_KERNELS)}")
+    if len(set(kernels)) < len(kernels):
+        ap.error(f"--verify-kernel {a.verify_kernel}: a kernel named twice")
+    # (before any server starts: a launch costs a minute or more)
+    if missing := [d for d in drafts if not d or not Path(d).is_dir()]:
+        ap.error(f"--draft {a.draft}: no drafter folder at {', '.join(repr(d) for d in missing)}")
+    if len({Path(d).name for d in drafts}) < len(drafts):
+        ap.error(f"--draft {a.draft}: two drafters share a folder name (the label of their server)")
     if (len(drafts) > 1 or len(kernels) > 1) and a.rounds < 2:
         ap.error("several drafters or verify kernels are compared side by side: --rounds 2 or more (their servers "
                  "up together, in the same alternating rounds)")
@@ -257,7 +267,8 @@ def main() -> int:
         ap.error(f"--rounds {a.rounds}: a prompt set has only {fewest} prompts (each round needs one)")
 
     def cfg_for(name: str, k: int, draft: str | None = None, kernel: str | None = None) -> BenchConfig:
-        return BenchConfig(**{**base, "draft": draft or drafts[0], "verify_kernel": kernel or kernels[0]},
+        return BenchConfig(**{**base, "draft": drafts[0] if draft is None else draft,
+                              "verify_kernel": kernels[0] if kernel is None else kernel},
                            num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[list(sets).index(name)],
                            rounds=a.rounds)
 
@@ -269,20 +280,14 @@ def main() -> int:
                 name = "".join([f"-{Path(d).name}" if len(drafts) > 1 else "",
                                 f"-{kern}" if len(kernels) > 1 else ""])
                 out[f"eagle3@{k}{name}"] = cfg_for(next(iter(sets)), k, d, kern)
-        if len(out) < len(drafts) * len(kernels):
-            raise SystemExit(f"--draft {a.draft}: two drafters share a folder name (the label of their server)")
         return out
 
     def confirm_verify_kernel(log_path: Path, kernel: str) -> None:
         """Say whether the EAGLE3 server's log shows eaglenest's verify kernel running (asked for: --verify-kernel)."""
         if kernel == "sglang":
             return
-        from eaglenest.engines.sglang_tree_verify import CALLED  # (triton: present wherever SGLang runs)
-
-        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-        line = next((x for x in text.splitlines() if CALLED in x), None)
-        seen = line.split("eaglenest verify kernel: ", 1)[1] if line else \
-            f"NOT CONFIRMED (no '{CALLED}' in {log_path.name}): these EAGLE3 numbers may be SGLang's kernel's"
+        seen = verify_kernel_seen(log_path) or (f"NOT CONFIRMED (no '{VERIFY_KERNEL_CALLED}' in {log_path.name}): "
+                                                "these EAGLE3 numbers may be SGLang's kernel's")
         print(f"verify kernel {kernel} ({log_path.name}): {seen}", flush=True)
 
     def show(label: str, name: str, lv) -> None:
@@ -311,8 +316,8 @@ def main() -> int:
                 servers, token_ids, base["concurrencies"], rounds=a.rounds, max_new_tokens=a.max_new_tokens,
                 ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
                 progress=show)
-        except LaunchError as e:
-            print(f"together@{k} failed to launch: {e}", flush=True)
+        except (LaunchError, BenchError, httpx.HTTPError) as e:  # (levels.jsonl keeps each level measured before)
+            print(f"together@{k} failed: {type(e).__name__}: {e}", flush=True)
             return None
         finally:
             end_recorded_servers(out / "servers.json")
@@ -398,11 +403,12 @@ def main() -> int:
                     if c == a.target_concurrency:
                         print(f"{label}: " + ("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message,
                               flush=True)
-            comparisons += side_by_side({lab: r[name] for lab, r in eagles.items()}, prompt_set=name, steps=k)
-        for row in comparisons:
-            print(f"side by side, {row['prompt_set']} c={row['concurrency']}: {row['variant']} / {row['versus']} "
-                  f"tok/s per round {row['ratio_rounds']}, median {row['ratio_median']}; accept length "
-                  f"{row['accept_length']} vs {row['versus_accept_length']}", flush=True)
+            now = side_by_side({lab: r[name] for lab, r in eagles.items()}, prompt_set=name, steps=k)
+            comparisons += now
+            for row in now:
+                print(f"side by side, {row['prompt_set']} c={row['concurrency']}: {row['variant']} / "
+                      f"{row['versus']} tok/s per round {row['ratio_rounds']}, median {row['ratio_median']}; accept "
+                      f"length {row['accept_length']} vs {row['versus_accept_length']}", flush=True)
         # after each depth, so a call cut during the next one keeps the rows of this one
         (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix,
                                                      **({"side_by_side": comparisons} if comparisons else {})},

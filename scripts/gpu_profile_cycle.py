@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from eaglenest.engines import VERIFY_KERNELS
+from eaglenest.engines import VERIFY_KERNELS, verify_kernel_seen
 from eaglenest.engines.pool import LaunchError, launched, local_server
 from eaglenest.speculative.bench import BenchConfig, eagle3_env, prepare_prompts, server_commands
 from eaglenest.speculative.live import warm
@@ -113,6 +113,10 @@ def main() -> int:
             report[label] = profile_server(label, cmd, a.port, prompts, requests=a.requests,
                                            max_new_tokens=a.max_new_tokens, out=out, ready_timeout_s=a.ready_timeout,
                                            env=eagle3_env(cfg) if label == "eagle3" else None)
+            if label == "eagle3" and a.verify_kernel != "sglang":  # (what ran, not only what was asked for)
+                report[label]["verify_kernel_seen"] = verify_kernel_seen(out / "server_eagle3.log")
+                print(f"verify kernel {a.verify_kernel}: {report[label]['verify_kernel_seen'] or 'NOT CONFIRMED'}",
+                      flush=True)
         except (LaunchError, RuntimeError, httpx.HTTPError, OSError, EOFError, ValueError) as e:
             print(f"{label}: {e}", flush=True)
             report[label] = {"error": str(e)}

@@ -885,6 +885,10 @@ print(max(0.5, math.floor(10 * ${TRAIN_MINUTES:-8.5} * 60 * 0.85 * $tok_s / toke
   done
   ;;
 bench)
+  if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then  # (refused before anything runs)
+    [ "${ROUNDS:-1}" -gt 1 ] || { echo "SIDE_BY_SIDE=1 measures in shared rounds: ROUNDS=2 or more" >&2; exit 2; }
+    [ "${CALIB:-0}" = 0 ] || { echo "SIDE_BY_SIDE=1 with CALIB=1: calibrate one drafter at a time" >&2; exit 2; }
+  fi
   # first the drafters the train call had no room to bring back (a bench cut short by its timeout still returns them)
   if [ -f "$W/drafters-left.txt" ]; then  # (a later bench call returns only what is still left)
     left=$(cat "$W/drafters-left.txt"); : > "$W/drafters-left.txt"
@@ -915,10 +919,15 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
   # in the same alternating rounds (matrix.json's side_by_side: each one's tok/s over the first's, round by round);
   # VERIFY_KERNEL=sglang,splitkv compares the kernels so (one server per drafter and kernel). Between two calls the
   # same server moved 4.02 -> 3.70 ms a cycle (2026-12-07e): a difference under ~8% needs the shared rounds
+  # (on MT-Bench unless SETS=all: every set on every server would be N times a bench's work in one call)
   side=""
   if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
-    for name in $drafters; do resolve_draft "$name"; side+="${side:+,}$draft"; done
-    drafters=side-by-side
+    for name in $drafters; do
+      [ "$name" != none ] || continue
+      resolve_draft "$name"; side+="${side:+,}$draft"
+    done
+    [ -n "$side" ] || { echo "SIDE_BY_SIDE=1: no drafters ($drafters)" >&2; exit 2; }
+    drafters=side-by-side; SETS=${SETS:-mt-bench}
   fi
   for name in $drafters; do
     [ "$name" != none ] || continue

@@ -27,12 +27,17 @@ def main() -> int:
     ap.add_argument("--live", action="append", required=True, help="live matrix.json / report.json (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="the calibration capture's answer cap (data step)")
     ap.add_argument("--out", default=None, help="write the table here as JSON")
+    ap.add_argument("--draft", default=None,
+                    help="the drafter's folder name, where a --live grid served several drafters side by side")
     a = ap.parse_args()
     result = json.loads(Path(a.train_result).read_text())
     if not result.get("eval_sets"):
         ap.error(f"{a.train_result} has no eval_sets: train with --eval-set NAME=CAPTURE on the calibration capture")
     sets = sets_from_eval(result["eval_sets"])
-    live = [lv for path in a.live for lv in live_accepts(json.loads(Path(path).read_text()), path)]
+    try:
+        live = [lv for path in a.live for lv in live_accepts(json.loads(Path(path).read_text()), path, a.draft)]
+    except ValueError as e:
+        ap.error(str(e))
     capture = {"engine": "training eval", "max_new_tokens": a.max_new_tokens}
     report = CalibrationReport(model="", draft=a.train_result, capture=capture, sets=sets,
                                rows=side_by_side(sets, live), notes=["command: " + " ".join(sys.argv)])

@@ -32,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from eaglenest.engines import VERIFY_KERNEL_CALLED
+
 log = logging.getLogger("eaglenest.sglang")
 
 ENV_SPLITS = "EAGLENEST_VERIFY_SPLITS"
-CALLED = "eaglenest verify kernel: first tree verify"  # logged once per process: the bench looks for it
 DEFAULT_SPLITS = 8  # prefix slices per (sequence, head); fixed because CUDA graphs cannot read lengths
 BLOCK_N = 64  # keys per inner step
 _logged = False
@@ -195,7 +196,7 @@ def tree_verify_fwd(
     global _logged
     if not _logged:
         _logged = True
-        log.info("%s (batch %d, %d draft tokens, %d/%d heads, %d prefix splits, %s mask)", CALLED, bs,
+        log.info("%s (batch %d, %d draft tokens, %d/%d heads, %d prefix splits, %s mask)", VERIFY_KERNEL_CALLED, bs,
                  max_len_extend, heads, kv_heads, n_split, "tree" if custom_mask is not None else "causal")
     l_pad = max(16, triton.next_power_of_2(int(max_len_extend)))
     parts = torch.empty((bs, heads, n_split + 1, l_pad, dv), dtype=torch.float32, device=q.device)

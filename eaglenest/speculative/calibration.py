@@ -218,16 +218,27 @@ def _shape_name(num_steps: int, topk: Any, draft_tokens: Any) -> str:
     return SpecConfig(num_steps=num_steps, topk=int(topk or 1), num_draft_tokens=tokens).shape.name
 
 
-def live_accepts(report_json: dict[str, Any], path: str = "") -> list[LiveAccept]:
+def live_accepts(report_json: dict[str, Any], path: str = "", draft: str | Path | None = None) -> list[LiveAccept]:
     """Per-concurrency live accept lengths of a bench report (``report.json`` of ``bench live`` or of one
     (set, steps) of gpu_bench_grid) or of a whole grid (its ``matrix.json``: rows of set, steps, concurrency;
-    a grid of trees says ``topk`` in its rows or, in grids written before rows carried it, in its command)."""
+    a grid of trees says ``topk`` in its rows or, in grids written before rows carried it, in its command).
+    A grid that served several drafters side by side (rows naming their ``draft``) gives ``draft``'s rows (matched
+    by folder name: the GPU's path differs from this machine's); without ``draft`` it is refused."""
     if "rows" in report_json:
         grid_topk = flag_value([str(x) for x in report_json.get("command") or []], "--topk") or 1
+        rows = report_json["rows"]
+        served = sorted({str(r["draft"]) for r in rows if r.get("draft")})
+        if len(served) > 1:
+            if draft is None:
+                raise ValueError(f"{path or 'the grid'} served several drafters side by side ({', '.join(served)}): "
+                                 "name the one whose live accept lengths to use")
+            rows = [r for r in rows if Path(str(r.get("draft", ""))).name == Path(draft).name]
+            if not rows:
+                raise ValueError(f"{path or 'the grid'} served {', '.join(served)}, none named {Path(draft).name}")
         return [LiveAccept(prompt_set=str(r["prompt_set"]), num_steps=int(r["steps"]),
                            concurrency=int(r["concurrency"]), accept_length=float(r["accept_length"]), report=path,
                            shape=_shape_name(int(r["steps"]), r.get("topk", grid_topk), r.get("draft_tokens")))
-                for r in report_json["rows"] if r.get("accept_length") is not None]
+                for r in rows if r.get("accept_length") is not None]
     spec = report_json.get("spec") or {}  # an embedded report names its shape (chain4p0.35, tree3x2n6q4)
     shape = spec.get("shape") or _shape_name(int(spec["num_steps"]), spec.get("topk", 1), spec.get("num_draft_tokens"))
     return [LiveAccept(prompt_set=str(report_json["prompt_set"]), num_steps=int(spec["num_steps"]),
@@ -333,7 +344,7 @@ def calibrate_on_prompts(*, source: str | Path, draft: str | Path, settings: Cap
     dr, head = load_offline_draft(model_dir, draft)
     dr, head = dr.to(dev), head.to(dev)  # the simulation is a few drafter forwards per sample: GPU-friendly
     prov = getattr(store, "provenance", None)
-    live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p))]
+    live = [x for p in live_reports for x in live_accepts(json.loads(Path(p).read_text()), str(p), draft)]
     # every shape live ran that is not a plain chain is replayed too (a chain's depths are simulated anyway)
     wanted = {s.name: s for s in shapes}
     for lv in live:

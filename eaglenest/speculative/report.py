@@ -306,11 +306,16 @@ def require_gate(r: BenchReport, *, target_concurrency: int, min_speedup: float 
 def depth_sweep(matrices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of several grid matrices (``matrix.json`` of scripts/gpu_bench_grid.py, one per draft depth
     or several depths each) as one table sorted by prompt set, concurrency and steps; a (set, steps,
-    concurrency) measured twice keeps the later matrix's row."""
+    concurrency) measured twice keeps the later matrix's row. A matrix that served several drafters or verify kernels
+    side by side is refused (its rows are not one drafter's depths)."""
     rows: dict[tuple[str, int, int], dict[str, Any]] = {}
     for i, m in enumerate(matrices):
         if not isinstance(m.get("rows"), list):
             raise ValueError(f"matrix {i + 1} has no rows: not a matrix.json of scripts/gpu_bench_grid.py")
+        served = {(r.get("draft"), r.get("verify_kernel")) for r in m["rows"]}
+        if len(served) > 1:
+            raise ValueError(f"matrix {i + 1} served {len(served)} EAGLE3 variants side by side (drafter, verify "
+                             f"kernel: {sorted(served, key=str)}): a depth sweep takes one drafter's grids")
         for r in m["rows"]:
             rows[(str(r["prompt_set"]), int(r["concurrency"]), int(r["steps"]))] = r
     return [rows[k] for k in sorted(rows)]

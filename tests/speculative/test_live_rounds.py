@@ -392,9 +392,15 @@ def test_the_grid_compares_variants_only_in_shared_rounds(tmp_path):
         assert p.returncode == 2
         return p.stderr
 
-    assert "--rounds 2 or more" in refused("--draft", "/a,/b")
-    assert "--rounds 2 or more" in refused("--draft", "/a", "--verify-kernel", "sglang,splitkv")
-    assert "--verify-kernel fast: not one of sglang, splitkv" in refused("--draft", "/a", "--verify-kernel", "fast")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir(), (tmp_path / "c").mkdir(), (tmp_path / "c" / "a").mkdir()
+    assert "--rounds 2 or more" in refused("--draft", f"{a},{b}")
+    assert "--rounds 2 or more" in refused("--draft", str(a), "--verify-kernel", "sglang,splitkv")
+    assert "--verify-kernel fast: not one of sglang, splitkv" in refused("--draft", str(a), "--verify-kernel", "fast")
+    assert "a kernel named twice" in refused("--draft", str(a), "--verify-kernel", "splitkv,splitkv", "--rounds", "2")
+    # a mistyped or empty drafter entry is refused before the baseline's and the others' launches (minutes)
+    assert f"no drafter folder at '{tmp_path}/typo', ''" in refused("--draft", f"{a},{tmp_path}/typo,", "--rounds", "2")
+    assert "two drafters share a folder name" in refused("--draft", f"{a},{tmp_path}/c/a", "--rounds", "2")
 
 
 def test_the_grid_reports_each_variant_against_the_shared_baseline(tmp_path, monkeypatch):
@@ -428,14 +434,16 @@ def test_the_grid_reports_each_variant_against_the_shared_baseline(tmp_path, mon
     monkeypatch.setitem(grid, "prepare_prompts", lambda cfg: Prompts(name="mt-bench", source="x",
                                                                      token_ids=[[1, 2], [3, 4], [5, 6]]))
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr("sys.argv", ["gpu_bench_grid.py", "--model", "/m", "--draft", "/x/a,/x/b", "--prompts",
+    (tmp_path / "x" / "a").mkdir(parents=True), (tmp_path / "x" / "b").mkdir()
+    monkeypatch.chdir(tmp_path)  # (the drafters' folders, relative: x/a and x/b)
+    monkeypatch.setattr("sys.argv", ["gpu_bench_grid.py", "--model", "/m", "--draft", "x/a,x/b", "--prompts",
                                      "/p.jsonl", "--concurrency", "1", "--steps", "7", "--topk", "8",
                                      "--draft-tokens", "48", "--rounds", "3"])
     assert main() == 0
     assert launched == [["baseline", "eagle3@7-a", "eagle3@7-b"]]
     matrix = json.loads((tmp_path / "matrix.json").read_text())
     rows = {r["variant"]: r for r in matrix["rows"]}
-    assert set(rows) == {"eagle3@7-a", "eagle3@7-b"} and rows["eagle3@7-b"]["draft"] == "/x/b"
+    assert set(rows) == {"eagle3@7-a", "eagle3@7-b"} and rows["eagle3@7-b"]["draft"] == "x/b"
     assert rows["eagle3@7-a"]["speedup_rounds"] == [1.4, 1.4, 1.395]
     assert rows["eagle3@7-b"]["baseline_tok_s"] == rows["eagle3@7-a"]["baseline_tok_s"]  # one shared baseline
     assert matrix["side_by_side"] == [{"prompt_set": "mt-bench", "steps": 7, "concurrency": 1,
@@ -444,4 +452,29 @@ def test_the_grid_reports_each_variant_against_the_shared_baseline(tmp_path, mon
                                        "accept_length": 4.4, "versus_accept_length": 4.3}]
     for label in ("7-a", "7-b"):
         report = json.loads((tmp_path / "mt-bench" / "steps7" / label / "report.json").read_text())
-        assert report["draft"] == f"/x/{label[-1]}"
+        assert report["draft"] == f"x/{label[-1]}"
+
+
+def test_a_side_by_side_matrix_is_read_one_drafter_at_a_time():
+    """The readers of matrix.json keep a side-by-side grid's drafters apart: the calibration takes the named
+    drafter's live accept lengths (by folder name: the GPU's path differs) and refuses to guess; a depth sweep
+    refuses such a matrix rather than keep whichever variant came last."""
+    from eaglenest.speculative.calibration import live_accepts
+    from eaglenest.speculative.report import depth_sweep
+
+    def row(draft: str, accept: float, kernel: str = "sglang") -> dict:
+        return {"prompt_set": "mt-bench", "steps": 7, "topk": 8, "draft_tokens": 48, "concurrency": 1,
+                "variant": f"eagle3@7-{Path(draft).name}", "draft": draft, "verify_kernel": kernel,
+                "accept_length": accept, "speedup": 1.4}
+
+    grid = {"rows": [row("/tmp/init-drafter/n17", 4.3), row("/tmp/init-drafter/n18", 4.4)]}
+    (only,) = live_accepts(grid, "matrix.json", ".gpu-drafters/n18")
+    assert only.accept_length == 4.4
+    with pytest.raises(ValueError, match=r"\(/tmp/init-drafter/n17, /tmp/init-drafter/n18\): name the one"):
+        live_accepts(grid, "matrix.json")
+    with pytest.raises(ValueError, match="none named n19"):
+        live_accepts(grid, "matrix.json", "n19")
+    assert len(live_accepts({"rows": [row("/d/n17", 4.3)]}, "m.json")) == 1  # one drafter: as before
+    with pytest.raises(ValueError, match="matrix 1 served 2 EAGLE3 variants side by side"):
+        depth_sweep([{"rows": [row("/d/n17", 4.3), row("/d/n17", 4.3, "splitkv")]}])
+    assert len(depth_sweep([{"rows": [row("/d/n17", 4.3)]}, {"rows": [{**row("/d/n17", 4.5), "steps": 5}]}])) == 2

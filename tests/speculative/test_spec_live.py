@@ -313,8 +313,10 @@ def test_the_cycle_profile_serves_the_verify_kernel_it_is_asked_for(tmp_path, mo
     main = runpy.run_path(str(script))["main"]
     seen: dict[str, dict | None] = {}
 
-    def profile_server(label, cmd, port, prompts, *, env=None, **_):
+    def profile_server(label, cmd, port, prompts, *, env=None, out, **_):
         seen[label] = env
+        if label == "eagle3":  # the server's log, as the plugin writes it when the kernel runs
+            (out / "server_eagle3.log").write_text("[x] eaglenest verify kernel: first tree verify (batch 1, ...)\n")
         return {"command": cmd}
 
     monkeypatch.setitem(main.__globals__, "profile_server", profile_server)
@@ -326,4 +328,6 @@ def test_the_cycle_profile_serves_the_verify_kernel_it_is_asked_for(tmp_path, mo
                                      "--verify-kernel", "splitkv"])
     assert main() == 0
     assert seen["baseline"] is None and seen["eagle3"][ENV_VERIFY_KERNEL] == "splitkv"
-    assert json.loads((tmp_path / "profile.json").read_text())["verify_kernel"] == "splitkv"
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["verify_kernel"] == "splitkv"
+    assert profile["eagle3"]["verify_kernel_seen"] == "first tree verify (batch 1, ...)"
