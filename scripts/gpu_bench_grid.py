@@ -4,7 +4,7 @@
         [--concurrency 1,4,16,64] [--steps 3 | --steps 1,2,3,5,8] [--topk 1 --draft-tokens 4] [--max-new-tokens 256] \
         [--num-prompts 32] [--target-concurrency 1 --min-speedup 1.0] [--only baseline|eagle3] \
         [--baseline-json server_baseline.json] [--no-cuda-graph] [--mem-fraction-static F] [--sglang-arg X ...] \
-        [--baseline-sglang-arg X ...] [--rounds R] [--verify-kernel sglang|splitkv[,...]]
+        [--baseline-sglang-arg X ...] [--rounds R] [--verify-kernel sglang|splitkv[,...]] [--shapes 6x8x49,7x8x48]
 
 PROMPTS.jsonl comes from this machine's project checkout: ``eaglenest bench prompts --prompt-set mt-bench
 --out prompts.jsonl`` (chat-templated token ids; the GPU machine has no network). Each server is
@@ -15,9 +15,10 @@ server per --steps value (a depth sweep); with --rounds R > 1, the baseline and 
 together (the GPU's memory shared as the extraction shares it) and every level runs in R alternating rounds,
 whose per-round speedups go into matrix.json (speedup_rounds, speedup_median). With --rounds, --draft A,B and
 --verify-kernel sglang,splitkv put one EAGLE3 server per drafter and kernel up beside the one baseline, all in the
-same rounds: each gets its report (<set>/steps<k>/<k>-<drafter>[-<kernel>]) and matrix rows (``variant``, ``draft``,
-``verify_kernel``), and matrix.json's
-side_by_side compares each with the first round by round (a machine's drift between two calls hides a few percent).
+same rounds (so does --shapes SxKxN,...: one server per tree): each gets its report (<set>/steps<k>/<k>-<drafter>
+[-<kernel>], or <set>/shapes/<SxKxN>[...]) and matrix rows (``variant``, ``draft``, ``verify_kernel``), and
+matrix.json's side_by_side compares each with the first round by round (a machine's drift between two calls hides
+a few percent).
 Each (prompt set, steps) gets its report under $OUT/<set>/steps<k>/,
 and $OUT/matrix.json has one row per (set, steps, concurrency) with the speedup, accept length and the cycle
 cost in baseline steps (the break-even accept length). --speculative-num-draft-tokens counts the root
@@ -204,6 +205,9 @@ def main() -> int:
     ap.add_argument("--steps", default="3", help="draft steps; a comma list (e.g. 1,2,3,5,8) is a depth sweep")
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--draft-tokens", type=int, default=None, help="root counted; default steps + 1")
+    ap.add_argument("--shapes", default=None,
+                    help="STEPSxTOPKxDRAFT_TOKENS,... (e.g. 6x8x49,7x8x48; draft tokens root counted) in place of "
+                         "--steps/--topk/--draft-tokens: one EAGLE3 server per shape, side by side (with --rounds)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--requests-per-level", type=int, default=None)
@@ -238,15 +242,26 @@ def main() -> int:
         ap.error(f"--draft {a.draft}: no drafter folder at {', '.join(repr(d) for d in missing)}")
     if len({Path(d).name for d in drafts}) < len(drafts):
         ap.error(f"--draft {a.draft}: two drafters share a folder name (the label of their server)")
-    if (len(drafts) > 1 or len(kernels) > 1) and a.rounds < 2:
-        ap.error("several drafters or verify kernels are compared side by side: --rounds 2 or more (their servers "
-                 "up together, in the same alternating rounds)")
+    try:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.shapes.split(",")] if a.shapes else []
+    except ValueError:
+        shapes = [()]
+    if any(len(sh) != 3 for sh in shapes):
+        ap.error(f"--shapes {a.shapes}: each shape is STEPSxTOPKxDRAFT_TOKENS, e.g. 7x8x48")
+    if shapes and (a.steps != "3" or a.topk != 1 or a.draft_tokens is not None):
+        ap.error("--shapes names each server's steps, topk and draft tokens: no --steps, --topk or --draft-tokens")
+    if (len(drafts) > 1 or len(kernels) > 1 or len(shapes) > 1) and a.rounds < 2:
+        ap.error("several drafters, verify kernels or shapes are compared side by side: --rounds 2 or more (their "
+                 "servers up together, in the same alternating rounds)")
     if a.rounds > 1 and (a.only or a.baseline_json or a.requests_per_level):
         ap.error("--rounds measures both servers together: no --only, --baseline-json or --requests-per-level")
     if a.only == "eagle3" and not a.baseline_json:
         ap.error("--only eagle3 needs --baseline-json (the baseline it is compared with)")
     out = Path(os.environ.get("OUT", "/tmp/out"))
     steps = [int(x) for x in a.steps.split(",")]
+    # the servers up together: one group per --steps value (a depth sweep), or all --shapes in one
+    groups = [shapes] if shapes else [[(k, a.topk, a.draft_tokens)] for k in steps]
+    steps = [sh[0] for sh in groups[0]]
     base = dict(engine="sglang", model=a.model, draft=drafts[0], topk=a.topk, num_prompts=a.num_prompts,
                 max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
                 requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
@@ -266,20 +281,23 @@ def main() -> int:
     if a.rounds > fewest:
         ap.error(f"--rounds {a.rounds}: a prompt set has only {fewest} prompts (each round needs one)")
 
-    def cfg_for(name: str, k: int, draft: str | None = None, kernel: str | None = None) -> BenchConfig:
-        return BenchConfig(**{**base, "draft": drafts[0] if draft is None else draft,
+    def cfg_for(name: str, shape: tuple, draft: str | None = None, kernel: str | None = None) -> BenchConfig:
+        k, topk, draft_tokens = shape
+        return BenchConfig(**{**base, "draft": drafts[0] if draft is None else draft, "topk": topk,
                               "verify_kernel": kernels[0] if kernel is None else kernel},
-                           num_steps=k, num_draft_tokens=a.draft_tokens, prompt_file=files[list(sets).index(name)],
+                           num_steps=k, num_draft_tokens=draft_tokens, prompt_file=files[list(sets).index(name)],
                            rounds=a.rounds)
 
-    def variants(k: int) -> dict[str, BenchConfig]:
-        """The EAGLE3 servers at depth k by label: one per drafter and verify kernel (each named by what differs)."""
+    def variants(group: list[tuple]) -> dict[str, BenchConfig]:
+        """A group's EAGLE3 servers by label: one per shape, drafter and verify kernel (named by what differs)."""
         out = {}
-        for d in drafts:
-            for kern in kernels:
-                name = "".join([f"-{Path(d).name}" if len(drafts) > 1 else "",
-                                f"-{kern}" if len(kernels) > 1 else ""])
-                out[f"eagle3@{k}{name}"] = cfg_for(next(iter(sets)), k, d, kern)
+        for shape in group:
+            at = f"{shape[0]}" if len(group) == 1 else "x".join(str(x) for x in shape)
+            for d in drafts:
+                for kern in kernels:
+                    name = "".join([f"-{Path(d).name}" if len(drafts) > 1 else "",
+                                    f"-{kern}" if len(kernels) > 1 else ""])
+                    out[f"eagle3@{at}{name}"] = cfg_for(next(iter(sets)), shape, d, kern)
         return out
 
     def confirm_verify_kernel(log_path: Path, kernel: str) -> None:
@@ -298,10 +316,10 @@ def main() -> int:
         with (out / "levels.jsonl").open("a") as f:
             f.write(json.dumps({"server": label, "prompt_set": name, **lv.to_json()}) + "\n")
 
-    def together(k: int) -> tuple[dict[str, ServerResult], dict[str, dict[str, ServerResult]]] | None:
-        """Baseline and every EAGLE3@k variant up at once on the GPU (each its share of the memory), in alternating
-        rounds. Returns the baseline's results and each variant's (label -> prompt set -> result)."""
-        eagles = variants(k)
+    def together(group: list[tuple]) -> tuple[dict[str, ServerResult], dict[str, dict[str, ServerResult]]] | None:
+        """Baseline and every EAGLE3 variant of a group up at once on the GPU (each its share of the memory), in
+        alternating rounds. Returns the baseline's results and each variant's (label -> prompt set -> result)."""
+        eagles = variants(group)
         first = next(iter(eagles.values()))
         ports = [a.port + i for i in range(1 + len(eagles))]
         cmds = server_commands(first, *ports, variants=list(eagles.values()))  # each its share of the GPU's memory
@@ -317,7 +335,7 @@ def main() -> int:
                 ready_timeout_s=a.ready_timeout, timeout_s=600.0, pidfile=out / "servers.json",
                 progress=show)
         except (LaunchError, BenchError, httpx.HTTPError) as e:  # (levels.jsonl keeps each level measured before)
-            print(f"together@{k} failed: {type(e).__name__}: {e}", flush=True)
+            print(f"together ({', '.join(eagles)}) failed: {type(e).__name__}: {e}", flush=True)
             return None
         finally:
             end_recorded_servers(out / "servers.json")
@@ -349,7 +367,7 @@ def main() -> int:
         return res
 
     baseline = None
-    baseline_cmd = server_commands(cfg_for(next(iter(sets)), steps[0]), a.port)[0]  # (rounds: `together` has its own)
+    baseline_cmd = server_commands(cfg_for(next(iter(sets)), groups[0][0]), a.port)[0]  # (rounds: `together`'s own)
     if a.baseline_json and a.rounds == 1:
         baseline, why = reusable_baseline(a.baseline_json, {n: len(p.token_ids) for n, p in sets.items()},
                                           base["concurrencies"], a.requests_per_level, cmd=baseline_cmd)
@@ -367,32 +385,33 @@ def main() -> int:
         return 0
     matrix = []
     comparisons = []
-    for k in steps:
+    for group in groups:
+        kinds = variants(group)
         if a.rounds > 1:
-            got = together(k)
+            got = together(group)
             if got is None:
                 return 1
             baseline, eagles = got
         else:
-            cfg = cfg_for(next(iter(sets)), k)
-            eagle3 = run(f"eagle3@{k}", server_commands(cfg, a.port)[1], eagle3_env(cfg))
+            (label, cfg), = kinds.items()
+            eagle3 = run(label, server_commands(cfg, a.port)[1], eagle3_env(cfg))
             if eagle3 is None:
                 return 1
-            eagles = {f"eagle3@{k}": eagle3}
-        kinds = variants(k)
+            eagles = {label: eagle3}
+        k = group[0][0] if len(group) == 1 else None  # (a group of shapes has no one depth)
         for name, prompts in sets.items():
             for label, eagle3 in eagles.items():
                 v = kinds[label]
-                cfg = cfg_for(name, k, v.draft, v.verify_kernel)
+                cfg = cfg_for(name, (v.num_steps, v.topk, v.num_draft_tokens), v.draft, v.verify_kernel)
                 report = assemble(cfg, prompts, baseline[name], eagle3[name])
                 report.notes.append(f"GPU: {gpu_name()}; baseline {how}")
-                where = out / name / f"steps{k}"
+                where = out / name / (f"steps{k}" if k is not None else "shapes")
                 write_report(report, where if len(eagles) == 1 else where / label.split("@", 1)[1])
                 print(f"-- {name}, {label}\n" + markdown_table(report))
                 for c in base["concurrencies"]:
                     g = gate(report, target_concurrency=c, min_speedup=a.min_speedup)
                     lv = report.level("eagle3", c)
-                    matrix.append({"prompt_set": name, "steps": k, "topk": cfg.spec.topk,
+                    matrix.append({"prompt_set": name, "steps": v.num_steps, "topk": cfg.spec.topk,
                                    "draft_tokens": cfg.spec.draft_tokens, "concurrency": c, "variant": label,
                                    "draft": v.draft, "verify_kernel": v.verify_kernel, "speedup": g.speedup,
                                    "cycle_cost_steps": g.cycle_cost_steps,
@@ -409,7 +428,7 @@ def main() -> int:
                 print(f"side by side, {row['prompt_set']} c={row['concurrency']}: {row['variant']} / "
                       f"{row['versus']} tok/s per round {row['ratio_rounds']}, median {row['ratio_median']}; accept "
                       f"length {row['accept_length']} vs {row['versus_accept_length']}", flush=True)
-        # after each depth, so a call cut during the next one keeps the rows of this one
+        # after each group (depth), so a call cut during the next one keeps the rows of this one
         (out / "matrix.json").write_text(json.dumps({"command": sys.argv, "gpu": gpu_name(), "rows": matrix,
                                                      **({"side_by_side": comparisons} if comparisons else {})},
                                                     indent=1))

@@ -949,11 +949,16 @@ print(' '.join(os.path.basename(os.path.dirname(r)) for r in runs) or 'none')")
     # each grid in a folder of its own (steps, topk, time): a later tree on the same drafter no longer writes over
     # the steps-3 matrix, and only a baseline this very grid measured alone becomes the one later benches reuse
     # (2026-12-06c: a rounds grid's one-level baseline, left in a shared folder, was cached after the next grid)
-    g="$R/grid-$name/steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}${VERIFY_KERNEL:+-${VERIFY_KERNEL//,/+}}-$(date -u +%H%M%S)"
+    # SHAPES=6x8x49,7x8x48 (with ROUNDS > 1): one EAGLE3 server per tree, side by side, in place of STEPS/TOPK/
+    # DRAFT_TOKENS
+    shape=(--steps "${STEPS:-3}" --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"})
+    tag=steps${STEPS:-3}-topk${TOPK:-1}${DRAFT_TOKENS:+-dt$DRAFT_TOKENS}
+    if [ -n "${SHAPES:-}" ]; then shape=(--shapes "$SHAPES"); tag=shapes-${SHAPES//,/+}; fi
+    g="$R/grid-$name/$tag${VERIFY_KERNEL:+-${VERIFY_KERNEL//,/+}}-$(date -u +%H%M%S)"
     mkdir -p "$g"
     run env OUT="$g" python3 scripts/gpu_bench_grid.py --model "$MODEL" --draft "$draft" \
-      --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" --steps "${STEPS:-3}" \
-      --topk "${TOPK:-1}" ${DRAFT_TOKENS:+--draft-tokens "$DRAFT_TOKENS"} --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
+      --prompts "$sets" --num-prompts "$NUM_PROMPTS" --concurrency "${LEVELS:-1,16}" "${shape[@]}" \
+      --max-new-tokens 256 "${base[@]}" "${SGL_MORE[@]}" \
       "${BASE_MORE[@]}" --verify-kernel "${VERIFY_KERNEL:-sglang}" \
       || echo "grid $name exited $?" >&2
     # (a baseline measured beside EAGLE3, at a share of the GPU's memory, is not reused; $g holds a baseline only

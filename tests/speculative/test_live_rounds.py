@@ -478,3 +478,54 @@ def test_a_side_by_side_matrix_is_read_one_drafter_at_a_time():
     with pytest.raises(ValueError, match="matrix 1 served 2 EAGLE3 variants side by side"):
         depth_sweep([{"rows": [row("/d/n17", 4.3), row("/d/n17", 4.3, "splitkv")]}])
     assert len(depth_sweep([{"rows": [row("/d/n17", 4.3)]}, {"rows": [{**row("/d/n17", 4.5), "steps": 5}]}])) == 2
+
+
+def test_the_grid_serves_shapes_side_by_side(tmp_path, monkeypatch, capsys):
+    """--shapes 6x8x49,7x8x48 --rounds 2 (servers faked): both trees up together beside one baseline, each with its
+    own flags, report (shapes/<shape>) and matrix rows, and the second's tok/s over the first's round by round;
+    a malformed shape, or one beside --steps, is refused before anything starts."""
+    from spec_support import level
+
+    from eaglenest.engines.sglang_guards import split_flags
+    from eaglenest.speculative.bench import Prompts
+    from eaglenest.speculative.live import ServerResult
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
+    main = runpy.run_path(str(script))["main"]
+    grid = main.__globals__
+    launched: dict[str, list[str]] = {}
+
+    def together(servers, prompt_sets, concurrencies, *, rounds, **_):
+        launched.update(servers)
+        tok_s = {"baseline": [800.0, 700.0], "eagle3@6x8x49": [1100.0, 1000.0], "eagle3@7x8x48": [1155.0, 1000.0]}
+        return {n: {s: ServerResult(name=n, cmd=[], server_accept_length=None, startup_s=1.0,
+                                    levels=[level(1, sum(tok_s[n]) / 2, accept=None if n == "baseline" else 4.2)],
+                                    round_tok_s={"1": tok_s[n]}) for s in prompt_sets} for n in servers}
+
+    monkeypatch.setitem(grid, "bench_servers_together", together)
+    monkeypatch.setitem(grid, "local_server", lambda cmd, **kw: cmd)
+    monkeypatch.setitem(grid, "end_recorded_servers", lambda path: None)
+    monkeypatch.setitem(grid, "gpu_name", lambda: "fake GPU")
+    monkeypatch.setitem(grid, "prepare_prompts", lambda cfg: Prompts(name="mt-bench", source="x",
+                                                                     token_ids=[[1, 2], [3, 4]]))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    (tmp_path / "d").mkdir()
+    argv = ["gpu_bench_grid.py", "--model", "/m", "--draft", str(tmp_path / "d"), "--prompts", "/p.jsonl",
+            "--concurrency", "1", "--rounds", "2"]
+    monkeypatch.setattr("sys.argv", [*argv, "--shapes", "6x8x49,7x8x48"])
+    assert main() == 0
+    flags = {n: dict(split_flags(cmd[cmd.index("sglang.launch_server") + 1:])) for n, cmd in launched.items()}
+    assert [(f["--speculative-num-steps"], f["--speculative-eagle-topk"], f["--speculative-num-draft-tokens"])
+            for n, f in flags.items() if n != "baseline"] == [("6", "8", "49"), ("7", "8", "48")]
+    matrix = json.loads((tmp_path / "matrix.json").read_text())
+    assert [(r["variant"], r["steps"], r["draft_tokens"]) for r in matrix["rows"]] == [
+        ("eagle3@6x8x49", 6, 49), ("eagle3@7x8x48", 7, 48)]
+    (row,) = matrix["side_by_side"]
+    assert row["variant"] == "eagle3@7x8x48" and row["ratio_rounds"] == [1.05, 1.0] and row["steps"] is None
+    assert (tmp_path / "mt-bench" / "shapes" / "7x8x48" / "report.json").is_file()
+    for bad, why in ((["--shapes", "7x8"], "each shape is STEPSxTOPKxDRAFT_TOKENS"),
+                     (["--shapes", "7x8x48", "--steps", "5"], "no --steps, --topk or --draft-tokens")):
+        monkeypatch.setattr("sys.argv", [*argv, *bad])
+        with pytest.raises(SystemExit):
+            main()
+        assert why in capsys.readouterr().err
