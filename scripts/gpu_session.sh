@@ -312,7 +312,12 @@
 # Next window: setup x3 (the kit; gguf1; gguf2 + .gpu-logs/kernel-caches.tar.xz), a setup with .device/bin and
 # .gpu-drafters/parts-n18-t16000's 3 parts (trimmed here with seed 19's answers), then ONE side-by-side grid:
 # SIDE_BY_SIDE=1 DRAFTERS="parts:n17-t16000 parts:n18-t16000" STEPS=7 TOPK=8 DRAFT_TOKENS=48 LEVELS=1 SETS=mt-bench
-# ROUNDS=4 bench carrying .device/bin .gpu and parts-n17-t16000's 3 parts (~200 s), and, with time left,
+# ROUNDS=4 bench carrying .device/bin .gpu and parts-n17-t16000's 3 parts (~200 s); then the trees side by side:
+# DRAFTERS=/tmp/init-drafter/n18-t16000 SHAPES=7x8x48,6x10x64,6x12x80,7x8x64 LEVELS=1 SETS=mt-bench ROUNDS=4 bench
+# (carry .device/bin .gpu; five servers, ~300 s). The CPU replays n18-t16000's 6x10x64 at 4.19 as its 7x8x48 (one
+# draft step fewer) and 6x12x80 at 4.25 (results/2026-12-07e-h100): where a draft step costs the cycle more than verify
+# tokens do (6x8x49 2.80 vs 7x8x48 3.08 baseline steps, 7x8x56 3.13: one noisy pair each), they are the 1.5x
+# candidates. And, with time left,
 # VERIFY_KERNEL=sglang,splitkv on the better one (the kernel side by side in shared rounds; or, to see where its time
 # goes, DRAFTERS=/tmp/init-drafter/n17-t16000 STEPS=7 TOPK=8 DRAFT_TOKENS=48 VERIFY_KERNEL=splitkv ONLY=eagle3 profile,
 # ~100 s: the verify phase's kernels beside 06g's SGLang _fwd_kernel, 660 us a cycle of the phase's 1.58 ms on the
