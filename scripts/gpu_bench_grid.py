@@ -84,13 +84,16 @@ def gpu_name() -> str:
         return "unknown"
 
 
+def per_round(name: str, ratios: list[float]) -> dict:
+    """matrix.json's ``NAME_rounds`` (each alternating round's ratio, in the order they ran) and ``NAME_median``."""
+    return {f"{name}_rounds": [round(r, 3) for r in ratios], f"{name}_median": round(statistics.median(ratios), 3)}
+
+
 def round_columns(report, c: int) -> dict:
-    """matrix.json's columns for each alternating round's speedup at concurrency c (in the order they ran), when
-    there were rounds (BenchReport.round_speedups)."""
+    """matrix.json's columns for each alternating round's speedup at concurrency c, when there were rounds
+    (BenchReport.round_speedups)."""
     ratios = report.round_speedups().get(c)
-    if not ratios:
-        return {}
-    return {"speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3)}
+    return per_round("speedup", ratios) if ratios else {}
 
 
 def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int) -> list[dict]:
@@ -101,14 +104,11 @@ def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int
     rows = []
     for label, res in rest:
         for c, ratios in sorted(res.round_ratios(ref).items()):
-            lv = next((x for x in res.levels if x.concurrency == c), None)
-            lv_ref = next((x for x in ref.levels if x.concurrency == c), None)
+            accept = [round(lv.accept_length, 3) if lv and lv.accept_length else None
+                      for lv in (res.level(c), ref.level(c))]
             rows.append({"prompt_set": prompt_set, "steps": steps, "concurrency": c, "variant": label,
-                         "versus": first, "ratio_rounds": [round(r, 3) for r in ratios],
-                         "ratio_median": round(statistics.median(ratios), 3),
-                         "accept_length": round(lv.accept_length, 3) if lv and lv.accept_length else None,
-                         "versus_accept_length": round(lv_ref.accept_length, 3)
-                         if lv_ref and lv_ref.accept_length else None})
+                         "versus": first, **per_round("ratio", ratios), "accept_length": accept[0],
+                         "versus_accept_length": accept[1]})
     return rows
 
 
@@ -316,10 +316,11 @@ def main() -> int:
         with (out / "levels.jsonl").open("a") as f:
             f.write(json.dumps({"server": label, "prompt_set": name, **lv.to_json()}) + "\n")
 
-    def together(group: list[tuple]) -> tuple[dict[str, ServerResult], dict[str, dict[str, ServerResult]]] | None:
-        """Baseline and every EAGLE3 variant of a group up at once on the GPU (each its share of the memory), in
-        alternating rounds. Returns the baseline's results and each variant's (label -> prompt set -> result)."""
-        eagles = variants(group)
+    def together(eagles: dict[str, BenchConfig]
+                 ) -> tuple[dict[str, ServerResult], dict[str, dict[str, ServerResult]]] | None:
+        """Baseline and every EAGLE3 variant of a group (label -> config) up at once on the GPU (each its share of
+        the memory), in alternating rounds. Returns the baseline's results and each variant's (label -> prompt set ->
+        result)."""
         first = next(iter(eagles.values()))
         ports = [a.port + i for i in range(1 + len(eagles))]
         cmds = server_commands(first, *ports, variants=list(eagles.values()))  # each its share of the GPU's memory
@@ -388,7 +389,7 @@ def main() -> int:
     for group in groups:
         kinds = variants(group)
         if a.rounds > 1:
-            got = together(group)
+            got = together(kinds)
             if got is None:
                 return 1
             baseline, eagles = got

@@ -62,6 +62,10 @@ class ServerResult:
     round_tok_s: dict[str, list[float]] = field(default_factory=dict)
     """Per concurrency (as a string): the output tok/s of each round, when the levels ran in alternating rounds."""
 
+    def level(self, concurrency: int) -> LevelResult | None:
+        """The level measured at ``concurrency``, if any."""
+        return next((lv for lv in self.levels if lv.concurrency == concurrency), None)
+
     def round_ratios(self, other: ServerResult) -> dict[int, list[float]]:
         """This server's tok/s over ``other``'s in each alternating round they shared (the same prompts, back to
         back), in the order they ran, by concurrency; empty where they were not measured in the same rounds."""

@@ -44,8 +44,7 @@ class BenchReport:
     notes: list[str] = field(default_factory=list)
 
     def level(self, which: str, concurrency: int) -> LevelResult | None:
-        levels = (self.baseline if which == "baseline" else self.eagle3).levels
-        return next((lv for lv in levels if lv.concurrency == concurrency), None)
+        return (self.baseline if which == "baseline" else self.eagle3).level(concurrency)
 
     def speedups(self) -> dict[int, float]:
         out = {}
