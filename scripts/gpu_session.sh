@@ -435,6 +435,8 @@ resolve_draft() {  # $1 a drafter: a train call's name (or NAME-tN), a folder, p
   # init=target starts, built here in seconds): what a speculation cycle costs for a drafter's shape needs no training,
   # so shapes are timed without data); sets draft (its folder) and name
   name=$1; draft=/tmp/export/$name; [ -d "$name" ] && draft=$name && name=$(basename "$name")
+  case "$name" in */*) echo "$1: no drafter folder on this machine (carried parts are unpacked by naming them \
+parts:NAME; a folder such as /tmp/init-drafter/NAME exists only after a call that did so)" >&2; exit 2 ;; esac
   if [ "${name#parts:}" != "$name" ]; then copy_parts; draft=$(init_drafter "$name"); name=${name#parts:}; fi
   if [ "${name#untrained:}" != "$name" ]; then
     local shape=${name#untrained:}
