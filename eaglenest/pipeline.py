@@ -40,8 +40,8 @@ CPU_DEMO_NOTE = (
     "(the demo shows the pipeline, not the product). The GPU recipe (prompts the target wrote itself, ShareGPT "
     "first turns and coding prompts, all answered by the target; a 4x-wide draft MLP continued over several GPU "
     "windows) accepts 2.45-2.61 live on MT-Bench in SGLang at 3 draft steps (results/2026-12-06h-h100), and its "
-    "drafters served as SGLang's default 7x8x48 tree accept 4.5-4.6 per cycle at 1.40-1.47x plain decoding in "
-    "alternating rounds on H100s, measured 2026-12-06 (results/2026-12-06-h100, results/2026-12-06g-h100); from "
+    "drafters served as SGLang's default 6x10x64 tree accept 4.4 per cycle at 1.44x plain decoding in "
+    "alternating rounds on an H100, measured 2026-12-07 (results/2026-12-07f-h100); from "
     "nothing in one GPU window it accepts 2.43 (results/2026-12-06c-h100).")
 """What the demo's headline says plainly about its numbers (the measured GPU recipe, for scale)."""
 

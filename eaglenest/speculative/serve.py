@@ -86,17 +86,18 @@ class SpecConfig:
                 "--speculative-num-draft-tokens", str(self.draft_tokens)]
 
 
-SGLANG_BEST = SpecConfig(num_steps=7, topk=8, num_draft_tokens=48)
-"""What SGLang runs when no speculation flag is given: the measured best shape, an EAGLE-2 tree of 7 draft steps, 8
-branches a step and 48 verified tokens (root counted). Measured on an H100 with n9n10 (results/2026-12-06-h100,
-MT-Bench, 40 prompts x 256, greedy, concurrency 1): it accepts 4.57 a cycle at 1.51x the baseline measured alone and
-1.44x with baseline and EAGLE3 up together in three alternating rounds (1.415 / 1.454 / 1.458), against 8x8x48 at
-1.47x / 1.43x, 9x8x56 1.45x and 8x16x64 1.44x (4.61, 4.80, 4.68 accepted: the deeper and wider trees accept more, but
-their cycles cost more). With n9 (results/2026-12-05f-h100, H100) 6x8x32 ran at 1.34x, 8x8x48 1.44-1.45x, 10x8x64
-1.35x; the 6x4x16 tree that was the default (1.53-1.74x on 2026-12-03e's H200 with v32e) ran at 1.00x with n7 on an
-H100 and 0.97-1.01x with n8 on an H200 (results/2026-12-05d-h100, 2026-12-05e-h200): SGLang's cycle at 1 request is
-host-bound and moved 1.5x between machines, so the wide tree, whose extra verified tokens cost little, pays where the
-cycle is dear. Concurrency 16 was not measured for the trees (the steps-3 chain at 16: 0.76x-1.17x)."""
+SGLANG_BEST = SpecConfig(num_steps=6, topk=10, num_draft_tokens=64)
+"""What SGLang runs when no speculation flag is given: the measured best shape, an EAGLE-2 tree of 6 draft steps, 10
+branches a step and 64 verified tokens (root counted). Measured on an H100 with n18-t16000 (results/2026-12-07f-h100,
+MT-Bench, 40 prompts x 256, greedy, concurrency 1, every tree's server up together with one baseline in four
+alternating rounds): it accepts 4.39 a cycle at 1.44x the baseline, 1.064x the tok/s of 7x8x48 (the default before:
+4.26 at 1.36x; every round faster, 1.00-1.12x) and ahead of 6x12x80, 7x8x64, 5x10x64, 6x10x48 and 5x12x64 (medians
+0.95-1.00x of it; a second call repeated it at 1.44x). A draft step costs the cycle more than verified tokens do:
+one step fewer with two more branches accepts as much. Before (n9n10, results/2026-12-06-h100) 7x8x48 ran at 1.44x
+in alternating rounds against 8x8x48 1.43x, 9x8x56 1.45x, 8x16x64 1.44x; the 6x4x16 tree that was the default
+before that (1.53-1.74x on 2026-12-03e's H200 with v32e) ran at 1.00x with n7 on an H100: SGLang's cycle at 1
+request is host-bound and moved 1.5x between machines, so the wide tree, whose extra verified tokens cost little,
+pays where the cycle is dear. Concurrency 16 was not measured for the trees (the steps-3 chain at 16: 0.76x-1.17x)."""
 
 
 class SpecGreedy:

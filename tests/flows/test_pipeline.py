@@ -204,7 +204,7 @@ def test_demo_is_fixed_work_and_its_headline_explains_its_numbers():
         return TrainOutput(run_dir="t", status=status, step=96)
 
     text = _headline(PipelineSummary(run_dir="runs/demo", extraction_id="x", extract=ex, train=train("done")))
-    assert "not expected to pay off" in text and "H100" in text and "7x8x48 tree accept 4.5-4.6" in text
+    assert "not expected to pay off" in text and "H100" in text and "6x10x64 tree accept 4.4" in text
     assert "time budget" in _headline(PipelineSummary(run_dir="r", extraction_id="x", extract=ex,
                                                       train=train("time_budget")))
     demo_cmd = get_command(app).commands["demo"]  # `eaglenest demo` must not write into make demo's folder

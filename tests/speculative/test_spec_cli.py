@@ -64,10 +64,10 @@ def test_bench_config_runs_the_measured_best_shape_on_the_embedded_engine():
     assert BenchConfig(draft="/d", shape="chain4p0.35").spec_shape == SpecShape(depth=4, min_prob=0.35)
     sglang = BenchConfig(draft="/d", engine="sglang")
     # SGLang's shape is the measured best there (a tree), not the CPU's shape; flags given, SGLang's own defaults
-    assert sglang.spec == SGLANG_BEST and sglang.spec_shape == SpecShape(depth=7, topk=8, draft_tokens=47)
-    assert _spec_json(sglang) == {"num_steps": 7, "topk": 8, "num_draft_tokens": 48}
-    assert SGLANG_BEST.sglang_args("/d")[-6:] == ["--speculative-num-steps", "7", "--speculative-eagle-topk", "8",
-                                                  "--speculative-num-draft-tokens", "48"]
+    assert sglang.spec == SGLANG_BEST and sglang.spec_shape == SpecShape(depth=6, topk=10, draft_tokens=63)
+    assert _spec_json(sglang) == {"num_steps": 6, "topk": 10, "num_draft_tokens": 64}
+    assert SGLANG_BEST.sglang_args("/d")[-6:] == ["--speculative-num-steps", "6", "--speculative-eagle-topk", "10",
+                                                  "--speculative-num-draft-tokens", "64"]
     steps3 = BenchConfig(draft="/d", engine="sglang", num_steps=3)
     assert steps3.spec_shape == SpecShape(depth=3) and _spec_json(steps3)["num_draft_tokens"] == 4
     assert BenchConfig(draft="/d", engine="sglang", topk=2, num_draft_tokens=6).spec.num_steps == SpecConfig().num_steps
