@@ -325,6 +325,23 @@
 # that: the cut plan again for n19 (SELF_SEED=20; data carrying .device/bin .gpu .gpu-logs/kernel-caches.tar.xz and
 # .gpu-drafters/parts-n18's aa, ab; train with INIT_FROM=parts:n18, "init_from": "/tmp/init-drafter/n18" in the grid,
 # carrying ac, ad, ae), and a side-by-side gate of n19-t16000 and n18-t16000 if ~250 s remain.
+# 2026-12-07 (session 68, results/2026-12-07f-h100): one refused start (91 s), then an H100 named nvidia-h100-x1 at
+# once. setup x4 (gguf2 with the kernel caches and the 14.5-MB tree passed 64 MiB: carry the caches with a bench or
+# data call), then n18-t16000's trees in two calls of four rounds (DRAFTERS=parts:n18-t16000 SHAPES=...: 343-420 s for
+# five servers): 6x10x64 1.44x twice (accept 4.39, 3.04 baseline steps, 3.53 ms), 1.064x 7x8x48's tok/s in shared
+# rounds; 6x12x80, 7x8x64, 5x10x64, 6x10x48, 5x12x64 0.95-1.00x of it. 6x10x64 is SGLANG_BEST now. The cut n19 plan
+# (seed 20: 12,949 samples; n19 1,216 steps in 206 s) and n19-t16000 (trimmed here by the extraction's counts) at
+# 6x10x64 alone in 2 rounds: 1.41x, accept 4.29, where the CPU replay reads n19-t16000 (trimmed on seed 20's answers)
+# 4.27 and n19 4.33 against n18-t16000's 4.19. At 3.04 steps a cycle, 1.5x needs accept 4.56; n14 accepted
+# 4.54-4.58 as 7x8x48, this lineage (n16 from nothing) 4.18-4.34: the drafter is the lever left.
+# Next window: setup x3 (the kit; gguf1; gguf2), then a setup with .device/bin and .gpu-drafters/parts-n19's aa, ab
+# (.gpu-logs/kernel-caches.tar.xz beside them), then a full data call for n20 (SELF_COUNT=18000 SELF_SEED=21
+# STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction EXTRACT_S=400
+# STOP_VALIDATE_S=50 timeout -k 10 -s TERM 560, carrying .device/bin .gpu + parts-n19 ac, ad: ~20K samples), train
+# (grid {"n20": {..., "init_from": "/tmp/init-drafter/n19"}} INIT_FROM=parts:n19 TRAIN_MINUTES=5.5 TRIM=16000
+# DRAFTER_NAME=n20, carrying .device/bin + parts-n19 ae), then n20 against n19 untrimmed at the default tree:
+# SIDE_BY_SIDE=1 DRAFTERS="n20 /tmp/init-drafter/n19" STEPS=6 TOPK=10 DRAFT_TOKENS=64 LEVELS=1 SETS=mt-bench ROUNDS=3
+# bench (~200 s; /tmp/init-drafter/n19 exists once INIT_FROM=parts:n19 unpacked it).
 # n15 over n14 is not paired yet (a CPU replay of one 40-prompt MT-Bench capture reads them equal: 2.58 at steps 3):
 # two drafters are compared by serving both in one bench call (DRAFTERS="A B": B on MT-Bench beside the same
 # baseline) and running scripts/paired_answers.py over their report.json files (the answers both wrote alike).
