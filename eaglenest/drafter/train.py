@@ -83,7 +83,8 @@ def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
     every train/eval/checkpoint event dict on rank 0 (an exception from it aborts like a crash).
     """
     d = Dist.from_env()
-    if d.world > 1 and not dist.is_initialized():
+    own_group = d.world > 1 and not dist.is_initialized()
+    if own_group:
         dist.init_process_group("nccl" if torch.cuda.is_available() and config.device != "cpu" else "gloo")
     threads = torch.get_num_threads()
     if config.threads:
@@ -95,6 +96,10 @@ def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
         return trainer.run()
     finally:
         torch.set_num_threads(threads)
+        if own_group:  # the group this call made ends with it: left to the interpreter's exit, gloo's threads were
+            # torn down mid-flight and a finished rank aborted ("terminate called without an active exception",
+            # SIGABRT after its last checkpoint, CI of 2026-12-07)
+            dist.destroy_process_group()
 
 
 class Trainer:
