@@ -334,7 +334,11 @@
 # 6x10x64 alone in 2 rounds: 1.41x, accept 4.29, where the CPU replay reads n19-t16000 (trimmed on seed 20's answers)
 # 4.27 and n19 4.33 against n18-t16000's 4.19. At 3.04 steps a cycle, 1.5x needs accept 4.56; n14 accepted
 # 4.54-4.58 as 7x8x48, this lineage (n16 from nothing) 4.18-4.34: the drafter is the lever left.
-# Next window: setup x3 (the kit; gguf1; gguf2), then a setup with .device/bin and .gpu-drafters/parts-n19's aa, ab
+# Next window: setup x3 (the kit; gguf1; gguf2), a setup with .device/bin and .gpu-drafters/parts-n18-t16000's three
+# parts, then the verify kernels side by side at the new default tree (64 verified tokens, the verify's attention a
+# larger share than at 7x8x48's 48, where splitkv changed nothing measurable between two calls): VERIFY_KERNEL=sglang,
+# splitkv DRAFTERS=parts:n18-t16000 STEPS=6 TOPK=10 DRAFT_TOKENS=64 LEVELS=1 SETS=mt-bench ROUNDS=3 bench (carry
+# .device/bin .gpu; ~200 s); then a setup with .device/bin and .gpu-drafters/parts-n19's aa, ab
 # (.gpu-logs/kernel-caches.tar.xz beside them), then a full data call for n20 (SELF_COUNT=18000 SELF_SEED=21
 # STARTER_SET="kinds code creative" SOURCE=train-1tc.jsonl.xz LIMIT=40000 STORE=extraction EXTRACT_S=400
 # STOP_VALIDATE_S=50 timeout -k 10 -s TERM 560, carrying .device/bin .gpu + parts-n19 ac, ad: ~20K samples), train
