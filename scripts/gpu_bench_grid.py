@@ -96,7 +96,7 @@ def round_columns(report, c: int) -> dict:
     return per_round("speedup", ratios) if ratios else {}
 
 
-def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int) -> list[dict]:
+def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int | None) -> list[dict]:
     """matrix.json's side_by_side rows: each EAGLE3 server after the first against the first, by concurrency, as
     the ratio of their tok/s in each alternating round they shared (the same prompts, back to back: the machine's
     drift cancels, as it does not between two calls) and its median, with both accept lengths."""
@@ -258,10 +258,8 @@ def main() -> int:
     if a.only == "eagle3" and not a.baseline_json:
         ap.error("--only eagle3 needs --baseline-json (the baseline it is compared with)")
     out = Path(os.environ.get("OUT", "/tmp/out"))
-    steps = [int(x) for x in a.steps.split(",")]
     # the servers up together: one group per --steps value (a depth sweep), or all --shapes in one
-    groups = [shapes] if shapes else [[(k, a.topk, a.draft_tokens)] for k in steps]
-    steps = [sh[0] for sh in groups[0]]
+    groups = [shapes] if shapes else [[(int(k), a.topk, a.draft_tokens)] for k in a.steps.split(",")]
     base = dict(engine="sglang", model=a.model, draft=drafts[0], topk=a.topk, num_prompts=a.num_prompts,
                 max_new_tokens=a.max_new_tokens, concurrencies=[int(x) for x in a.concurrency.split(",")],
                 requests_per_level=a.requests_per_level, target_concurrency=a.target_concurrency,
@@ -272,7 +270,7 @@ def main() -> int:
     files = a.prompts.split(",")
     sets: dict[str, Prompts] = {}
     for f in files:
-        p = prepare_prompts(BenchConfig(**base, num_steps=steps[0], prompt_file=f))
+        p = prepare_prompts(BenchConfig(**base, num_steps=groups[0][0][0], prompt_file=f))
         sets[p.name] = p
     print(f"GPU: {gpu_name()}; prompt sets: " + ", ".join(f"{n} x{len(p.token_ids)}" for n, p in sets.items()),
           flush=True)

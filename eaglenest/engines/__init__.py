@@ -11,6 +11,7 @@ from typing import Literal, get_args
 ENV_FAULTS = "EAGLENEST_FAULTS"
 ENV_PROBE_DRAFT_DIR = "EAGLENEST_PROBE_DRAFT_DIR"
 ENV_PROFILE_DIR = "EAGLENEST_SAMPLE_PROFILE"
+ENV_PROFILE_INTERVAL = "EAGLENEST_SAMPLE_INTERVAL_S"
 ENV_VERIFY_KERNEL = "EAGLENEST_VERIFY_KERNEL"  # an EAGLE3 server's tree-verify attention (sglang_tree_verify)
 VerifyKernel = Literal["sglang", "splitkv"]  # SGLang's own; eaglenest's split-KV tree kernel (triton backend)
 VERIFY_KERNELS: tuple[str, ...] = get_args(VerifyKernel)
@@ -23,4 +24,3 @@ def verify_kernel_seen(log_path: Path) -> str | None:
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     line = next((x for x in text.splitlines() if VERIFY_KERNEL_CALLED in x), None)
     return line.split("eaglenest verify kernel: ", 1)[1] if line else None
-ENV_PROFILE_INTERVAL = "EAGLENEST_SAMPLE_INTERVAL_S"
