@@ -416,8 +416,9 @@ baseline_flags() {  # SGL_EXTRA without the flags of speculation (and their valu
 }
 
 baseline_covers() {  # $1 a baseline JSON, $2 another: does $1 hold every prompt set and level of $2?
-  python3 -c "import runpy, sys
-sys.exit(0 if runpy.run_path('scripts/gpu_bench_grid.py')['baseline_covers'](*sys.argv[1:3]) else 1)" "$1" "$2"
+  python3 -c "import sys
+from eaglenest.speculative.baseline import baseline_covers
+sys.exit(0 if baseline_covers(*sys.argv[1:3]) else 1)" "$1" "$2"
 }
 
 grid_names() {  # $1 a gpu_sweep grid JSON: its configs' names, which are also its drafters' names

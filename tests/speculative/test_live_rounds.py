@@ -160,8 +160,8 @@ def test_the_baseline_may_run_flags_of_its_own():
 def test_the_grid_says_how_its_baseline_was_measured(tmp_path):
     """A speedup against a reused baseline (measured alone, earlier) is not an alternated one: the live grid's
     report and matrix say which it is, and how old a reused baseline was."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
-    provenance = runpy.run_path(str(script))["baseline_provenance"]
+    from eaglenest.speculative.baseline import baseline_provenance as provenance
+
     cached = tmp_path / "server_baseline.json"
     cached.write_text("{}")
     os.utime(cached, (1000.0, 1000.0))
@@ -178,12 +178,10 @@ def test_a_reused_baseline_must_cover_the_run_and_have_run_alone(tmp_path):
     measured in alternating rounds beside EAGLE3, or not a baseline file at all, is not reused, and the reason names
     what it lacks (2026-12-06c: a one-level rounds baseline was reused for c=1,16 and the run died on the missing
     level after the EAGLE3 launch)."""
+    from eaglenest.speculative.baseline import baseline_covers as covers
+    from eaglenest.speculative.baseline import reusable_baseline as reusable
     from eaglenest.speculative.live import ServerResult
     from eaglenest.speculative.loadgen import LevelResult
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench_grid.py"
-    grid = runpy.run_path(str(script))
-    reusable, covers = grid["reusable_baseline"], grid["baseline_covers"]
 
     def level(c: int, requests: int = 40) -> LevelResult:
         return LevelResult(concurrency=c, requests=requests, errors=0, duration_s=1.0, output_tokens=800,
