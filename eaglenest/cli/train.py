@@ -70,7 +70,7 @@ def train_command(
 def _exit_worker() -> None:
     """End a torchrun worker whose run is complete (checkpoint, result and logs written) without the
     interpreter's C++ teardown: a rank that finished before its peer aborted there after its last Python line
-    ('terminate called without an active exception', no Python frame; 1 resume in 40 under load, with the
+    ('terminate called without an active exception', no Python frame; 1 resume in 40-60 here, twice in CI, with the
     process group already destroyed), and torchrun then failed the whole run."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
