@@ -94,19 +94,20 @@ def round_columns(report, c: int) -> dict:
     return per_round("speedup", ratios) if ratios else {}
 
 
-def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: int | None) -> list[dict]:
+def side_by_side(eagles: dict[str, ServerResult], *, prompt_set: str, steps: dict[str, int]) -> list[dict]:
     """matrix.json's side_by_side rows: each EAGLE3 server after the first against the first, by concurrency, as
     the ratio of their tok/s in each alternating round they shared (the same prompts, back to back: the machine's
-    drift cancels, as it does not between two calls) and its median, with both accept lengths."""
+    drift cancels, as it does not between two calls) and its median, with both accept lengths and both depths
+    (``steps``: each server's, by label; the trees of one --shapes group differ in it)."""
     (first, ref), *rest = eagles.items()
     rows = []
     for label, res in rest:
         for c, ratios in sorted(res.round_ratios(ref).items()):
             accept = [round(lv.accept_length, 3) if lv and lv.accept_length else None
                       for lv in (res.level(c), ref.level(c))]
-            rows.append({"prompt_set": prompt_set, "steps": steps, "concurrency": c, "variant": label,
-                         "versus": first, **per_round("ratio", ratios), "accept_length": accept[0],
-                         "versus_accept_length": accept[1]})
+            rows.append({"prompt_set": prompt_set, "steps": steps[label], "versus_steps": steps[first],
+                         "concurrency": c, "variant": label, "versus": first, **per_round("ratio", ratios),
+                         "accept_length": accept[0], "versus_accept_length": accept[1]})
     return rows
 
 
@@ -338,7 +339,8 @@ def main() -> int:
                     if c == a.target_concurrency:
                         print(f"{label}: " + ("GATE PASSED: " if g.passed else "GATE FAILED: ") + g.message,
                               flush=True)
-            now = side_by_side({lab: r[name] for lab, r in eagles.items()}, prompt_set=name, steps=k)
+            now = side_by_side({lab: r[name] for lab, r in eagles.items()}, prompt_set=name,
+                               steps={lab: kinds[lab].num_steps for lab in eagles})
             comparisons += now
             for row in now:
                 print(f"side by side, {row['prompt_set']} c={row['concurrency']}: {row['variant']} / "

@@ -82,11 +82,12 @@ def test_several_eagle3_servers_share_the_rounds_and_the_gpu(tmp_path):
     side_by_side = runpy.run_path(str(GRID))["side_by_side"]
     rows = side_by_side({"eagle3@7-sglang": server("a", [1000.0, 900.0, 1100.0], 4.3),
                          "eagle3@7-splitkv": server("b", [1050.0, 900.0, 1210.0], 4.29)},
-                        prompt_set="mt-bench", steps=7)
-    assert rows == [{"prompt_set": "mt-bench", "steps": 7, "concurrency": 1, "variant": "eagle3@7-splitkv",
-                     "versus": "eagle3@7-sglang", "ratio_rounds": [1.05, 1.0, 1.1], "ratio_median": 1.05,
+                        prompt_set="mt-bench", steps={"eagle3@7-sglang": 7, "eagle3@7-splitkv": 7})
+    assert rows == [{"prompt_set": "mt-bench", "steps": 7, "versus_steps": 7, "concurrency": 1,
+                     "variant": "eagle3@7-splitkv", "versus": "eagle3@7-sglang", "ratio_rounds": [1.05, 1.0, 1.1],
+                     "ratio_median": 1.05,
                      "accept_length": 4.29, "versus_accept_length": 4.3}]
-    assert side_by_side({"eagle3@7": server("a", [1.0, 1.0, 1.0], 4.0)}, prompt_set="x", steps=7) == []
+    assert side_by_side({"eagle3@7": server("a", [1.0, 1.0, 1.0], 4.0)}, prompt_set="x", steps={"eagle3@7": 7}) == []
 
 
 def test_the_grid_compares_variants_only_in_shared_rounds(tmp_path):
@@ -156,7 +157,7 @@ def test_the_grid_reports_each_variant_against_the_shared_baseline(tmp_path, mon
     assert set(rows) == {"eagle3@7-a", "eagle3@7-b"} and rows["eagle3@7-b"]["draft"] == "x/b"
     assert rows["eagle3@7-a"]["speedup_rounds"] == [1.4, 1.4, 1.395]
     assert rows["eagle3@7-b"]["baseline_tok_s"] == rows["eagle3@7-a"]["baseline_tok_s"]  # one shared baseline
-    assert matrix["side_by_side"] == [{"prompt_set": "mt-bench", "steps": 7, "concurrency": 1,
+    assert matrix["side_by_side"] == [{"prompt_set": "mt-bench", "steps": 7, "versus_steps": 7, "concurrency": 1,
                                        "variant": "eagle3@7-b", "versus": "eagle3@7-a",
                                        "ratio_rounds": [1.05, 1.0, 1.1], "ratio_median": 1.05,
                                        "accept_length": 4.4, "versus_accept_length": 4.3}]
@@ -187,7 +188,8 @@ def test_the_grid_serves_shapes_side_by_side(tmp_path, monkeypatch, capsys, fake
     assert [(r["variant"], r["steps"], r["draft_tokens"]) for r in matrix["rows"]] == [
         ("eagle3@6x8x49", 6, 49), ("eagle3@7x8x48", 7, 48)]
     (row,) = matrix["side_by_side"]
-    assert row["variant"] == "eagle3@7x8x48" and row["ratio_rounds"] == [1.05, 1.0] and row["steps"] is None
+    assert row["variant"] == "eagle3@7x8x48" and row["ratio_rounds"] == [1.05, 1.0]
+    assert (row["steps"], row["versus_steps"]) == (7, 6)  # each tree's own depth
     assert (tmp_path / "mt-bench" / "shapes" / "7x8x48" / "report.json").is_file()
     for bad, why in ((["--shapes", "7x8"], "each shape is STEPSxTOPKxDRAFT_TOKENS"),
                      (["--shapes", "7x8x48", "--steps", "5"], "no --steps, --topk or --draft-tokens")):
