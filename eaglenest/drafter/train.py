@@ -96,9 +96,8 @@ def train(config: TrainConfig, *, store=None, eval_stores: dict | None = None,
         return trainer.run()
     finally:
         torch.set_num_threads(threads)
-        if own_group:  # the group this call made ends with it: left to the interpreter's exit, gloo's threads were
-            # torn down mid-flight and a finished rank aborted ("terminate called without an active exception",
-            # SIGABRT after its last checkpoint, CI of 2026-12-07)
+        if own_group:  # the group this call made ends with it (a torchrun worker's C++ teardown could still abort
+            # after this: the CLI's train ends its workers with os._exit, eaglenest/cli/train.py)
             dist.destroy_process_group()
 
 

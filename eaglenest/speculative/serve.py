@@ -96,8 +96,9 @@ alternating rounds): it accepts 4.39 a cycle at 1.44x the baseline, 1.064x the t
 one step fewer with two more branches accepts as much. Before (n9n10, results/2026-12-06-h100) 7x8x48 ran at 1.44x
 in alternating rounds against 8x8x48 1.43x, 9x8x56 1.45x, 8x16x64 1.44x; the 6x4x16 tree that was the default
 before that (1.53-1.74x on 2026-12-03e's H200 with v32e) ran at 1.00x with n7 on an H100: SGLang's cycle at 1
-request is host-bound and moved 1.5x between machines, so the wide tree, whose extra verified tokens cost little,
-pays where the cycle is dear. Concurrency 16 was not measured for the trees (the steps-3 chain at 16: 0.76x-1.17x)."""
+request moved 1.5x between machines (its fixed cost is GPU work, results/2026-12-06g-h100), so the wide tree, whose
+extra verified tokens cost little, pays where the cycle is dear. Concurrency 16 was not measured for the trees (the
+steps-3 chain at 16: 0.76x-1.17x)."""
 
 
 class SpecGreedy:
